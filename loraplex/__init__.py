@@ -1,0 +1,6 @@
+"""loraplex: multi-tenant LoRA adapter serving."""
+
+from loraplex.engine.llm import LLM
+from loraplex.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]

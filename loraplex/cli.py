@@ -1,0 +1,90 @@
+"""`loraplex` command line: generate | model prepare."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tomllib
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"loraplex: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    commands = parser.add_subparsers(required=True, metavar="command")
+
+    generate = commands.add_parser("generate", help="answer one prompt from the command line")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", help="checkpoint directory, or 'default' (SmolLM2)")
+    generate.add_argument("--config", type=Path, help="engine config (TOML)")
+    generate.add_argument("--max-tokens", type=int, default=256)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--raw", action="store_true",
+                          help="send the prompt as is, without the chat template")
+    generate.set_defaults(func=_generate)
+
+    model = commands.add_parser("model", help="manage the base model")
+    model_commands = model.add_subparsers(required=True, metavar="action")
+    prepare = model_commands.add_parser(
+        "prepare", help="fetch and convert the default model (SmolLM2-135M-Instruct)"
+    )
+    prepare.add_argument("--force", action="store_true", help="convert again even if present")
+    prepare.set_defaults(func=_prepare)
+    return parser
+
+
+def load_engine_config(path: Path | None, **overrides):
+    from loraplex.engine.config import EngineConfig
+
+    path = path or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    values = tomllib.loads(path.read_text()).get("engine", {}) if path else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineConfig(**values)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from loraplex.engine.engine import LLMEngine
+    from loraplex.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(load_engine_config(args.config, model=args.model))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    prompt = args.prompt
+    if not args.raw and engine.tokenizer.hf.chat_template:
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    engine.add_request(engine.make_request(prompt, params))
+    while engine.has_unfinished():
+        for delta in engine.step():
+            sys.stdout.write(delta.outputs[0].text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from loraplex.engine.default_model import prepare_default_model
+
+    logging.getLogger("loraplex").setLevel(logging.INFO)
+    print(prepare_default_model(force=args.force))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

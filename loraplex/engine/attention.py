@@ -1,0 +1,64 @@
+"""Attention over the paged KV cache, in torch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.forward_batch import ForwardBatch, PrefillSpan
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             batch: ForwardBatch) -> None:
+    """Store this step's keys/values [num_tokens, num_kv_heads, head_dim] in their slots of
+    kv_cache [num_pages, page_size, 2, num_kv_heads, head_dim]."""
+    kv_cache[batch.slot_pages, batch.slot_offsets] = torch.stack((k, v), dim=1)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
+                    scale: float) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+
+    kv_cache already holds this step's keys and values.
+    """
+    out = torch.empty_like(q)
+    if batch.num_decodes:
+        out[: batch.num_decodes] = _decode(q[: batch.num_decodes], kv_cache, batch, scale)
+    for span in batch.prefills:
+        out[span.start : span.end] = _prefill(q[span.start : span.end], kv_cache, span, scale)
+    return out
+
+
+def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[..., num_pages] page ids -> [..., num_pages * page_size, 2, num_kv_heads, head_dim]."""
+    pages = kv_cache.index_select(0, block_tables.flatten())
+    return pages.view(*block_tables.shape[:-1], -1, *kv_cache.shape[2:])
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
+            scale: float) -> torch.Tensor:
+    kv = _gather(kv_cache, batch.decode_block_tables)  # [B, ctx, 2, kv_heads, head_dim]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, heads, 1, head_dim]
+        kv[:, :, 0].transpose(1, 2),  # [B, kv_heads, ctx, head_dim]
+        kv[:, :, 1].transpose(1, 2),
+        attn_mask=batch.decode_mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
+             scale: float) -> torch.Tensor:
+    kv = _gather(kv_cache, span.pages)[: span.context_len]  # [ctx, 2, kv_heads, head_dim]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [heads, q_len, head_dim]
+        kv[:, 0].transpose(0, 1),  # [kv_heads, ctx, head_dim]
+        kv[:, 1].transpose(0, 1),
+        attn_mask=span.mask,
+        is_causal=span.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)

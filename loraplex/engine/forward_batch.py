@@ -1,0 +1,116 @@
+"""Per-step metadata: built once from the scheduled sequences, read by every layer.
+
+The step's tokens are flattened into one unpadded batch, decode tokens first:
+
+    tokens:  d0 d1 d2 | p0 p0 p0 p0 | p1 p1 p1
+             decodes    prefill span 0  prefill span 1   (a span is one sequence's chunk)
+
+Decodes (one query token each) run attention together over their gathered pages; each prefill
+span runs causal attention over its sequence's pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    start: int  # first row of the span in the flat batch
+    end: int
+    pages: torch.Tensor  # [num_pages] the sequence's block table up to its context
+    context_len: int  # tokens visible to the last query of the span (cached + this chunk)
+    mask: torch.Tensor | None  # [q_len, context_len] bool, None when plain causal
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_pages: torch.Tensor  # [num_tokens] page receiving each token's K/V
+    slot_offsets: torch.Tensor  # [num_tokens] row inside that page
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_pages]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] additive
+    prefills: list[PrefillSpan]
+    logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_forward_batch(
+    scheduled: list[tuple[Sequence, int]], page_size: int, dtype: torch.dtype, device: str
+) -> tuple[ForwardBatch, list[Sequence]]:
+    """Flatten the scheduled (sequence, num_new_tokens) pairs; also return, in row order of
+    `logits_indices`, the sequences that sample a token this step."""
+    ordered = sorted(scheduled, key=lambda item: item[1] != 1)  # decodes first, stable
+    input_ids, positions, slot_pages, slot_offsets = [], [], [], []
+    logits_indices, sampling = [], []
+    decodes, prefills = [], []
+    for seq, num_new in ordered:
+        start = len(input_ids)
+        first = seq.num_computed_tokens
+        span = range(first, first + num_new)
+        input_ids.extend(seq.token_ids[first : first + num_new])
+        positions.extend(span)
+        slot_pages.extend(seq.block_table[p // page_size] for p in span)
+        slot_offsets.extend(p % page_size for p in span)
+        if num_new == 1:
+            decodes.append(seq)
+        else:
+            prefills.append(_prefill_span(seq, start, num_new, page_size, device))
+        if first + num_new == seq.num_tokens:
+            logits_indices.append(len(input_ids) - 1)
+            sampling.append(seq)
+    tables, mask = _decode_tables(decodes, page_size, dtype, device)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=device),
+        slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
+        num_decodes=len(decodes),
+        decode_block_tables=tables,
+        decode_mask=mask,
+        prefills=prefills,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+    )
+    return batch, sampling
+
+
+def _prefill_span(seq: Sequence, start: int, num_new: int, page_size: int, device: str):
+    context_len = seq.num_computed_tokens + num_new
+    num_pages = -(-context_len // page_size)
+    mask = None
+    if seq.num_computed_tokens:
+        # query i sits at position num_computed + i and sees keys 0 ..= that position
+        query_pos = torch.arange(seq.num_computed_tokens, context_len, device=device)
+        mask = torch.arange(context_len, device=device)[None, :] <= query_pos[:, None]
+    return PrefillSpan(
+        start=start,
+        end=start + num_new,
+        pages=torch.tensor(seq.block_table[:num_pages], dtype=torch.long, device=device),
+        context_len=context_len,
+        mask=mask,
+    )
+
+
+def _decode_tables(decodes: list[Sequence], page_size: int, dtype: torch.dtype, device: str):
+    if not decodes:
+        return None, None
+    context_lens = [seq.num_computed_tokens + 1 for seq in decodes]
+    max_pages = -(-max(context_lens) // page_size)
+    # Pad short tables with page 0: those columns are masked out below.
+    rows = [seq.block_table[:max_pages] + [0] * (max_pages - len(seq.block_table[:max_pages]))
+            for seq in decodes]
+    tables = torch.tensor(rows, dtype=torch.long, device=device)
+    lens = torch.tensor(context_lens, device=device)
+    visible = torch.arange(max_pages * page_size, device=device)[None, :] < lens[:, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, float("-inf"))
+    return tables, mask[:, None, None, :]

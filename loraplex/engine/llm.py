@@ -1,0 +1,65 @@
+"""Offline batch API, in the shape vLLM users know:
+
+    from loraplex import LLM, SamplingParams
+    llm = LLM(model="default")
+    for result in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
+        print(result.outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.engine import LLMEngine
+from loraplex.engine.outputs import CompletionOutput, RequestOutput
+from loraplex.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "default", **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One result per prompt, in order; all prompts run together in the continuous batch."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        param_list = _per_prompt(params, len(prompts))
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, param_list,
+                                                                      strict=True)]
+        results = {}
+        for request in requests:
+            self.engine.add_request(request)
+            results[request.request_id] = RequestOutput(
+                request_id=request.request_id,
+                prompt=request.prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                outputs=[CompletionOutput(index=i) for i in range(len(request.seqs))],
+                arrival_time=request.arrival_time,
+            )
+        while self.engine.has_unfinished():
+            for delta in self.engine.step():
+                results[delta.request_id].add(delta)
+        return [results[r.request_id] for r in requests]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Like `generate`, for conversations: applies the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
+
+
+def _per_prompt(params: SamplingParams | list[SamplingParams] | None, n: int):
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

@@ -1,0 +1,100 @@
+"""loraplex's own Llama-family forward pass over a flat, unpadded token batch with paged KV.
+
+Covers Llama 2/3, Mistral, SmolLM2 and Qwen2 (q/k/v bias): RMSNorm, GQA attention with RoPE,
+SwiGLU MLP, optionally tied embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.attention import paged_attention, write_kv
+from loraplex.engine.checkpoint import LayerWeights, load_weights
+from loraplex.engine.config import ModelConfig
+from loraplex.engine.device import Linear
+from loraplex.engine.forward_batch import ForwardBatch
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.rope import RotaryEmbedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # In float32 whatever the serving dtype, as the reference does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_attention_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def from_weights(cls, w: LayerWeights) -> Layer:
+        return cls(
+            input_norm=w.input_norm,
+            qkv=Linear(w.qkv, w.qkv_bias),
+            o=Linear(w.o),
+            post_attention_norm=w.post_attention_norm,
+            gate_up=Linear(w.gate_up),
+            down=Linear(w.down),
+        )
+
+
+class CausalLM:
+    def __init__(self, config: ModelConfig, model_dir: Path, max_positions: int,
+                 dtype: torch.dtype, device: str) -> None:
+        self.config = config
+        weights = load_weights(model_dir, config, dtype, device)
+        self.embed = weights.embed  # [vocab, hidden]
+        self.layers = [Layer.from_weights(w) for w in weights.layers]
+        self.final_norm = weights.final_norm
+        self.lm_head = Linear(weights.lm_head)
+        self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
+        self.scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCacheManager) -> torch.Tensor:
+        """-> final hidden states of the rows in `batch.logits_indices`: [num_sampled, hidden]."""
+        hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
+        cos, sin = self.rope.lookup(batch.positions)
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(layer, hidden, batch, kv.layer_cache(index), cos, sin)
+        hidden = hidden[batch.logits_indices]
+        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, hidden] -> [num_sampled, vocab] in float32."""
+        return self.lm_head(hidden).float()
+
+    def _layer(self, layer: Layer, hidden: torch.Tensor, batch: ForwardBatch,
+               kv_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        x = rms_norm(hidden, layer.input_norm, eps)
+        hidden = hidden + self._attention(layer, x, batch, kv_cache, cos, sin)
+        x = rms_norm(hidden, layer.post_attention_norm, eps)
+        return hidden + self._mlp(layer, x)
+
+    def _attention(self, layer: Layer, x: torch.Tensor, batch: ForwardBatch,
+                   kv_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = self.rope.rotate(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
+        k = self.rope.rotate(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        write_kv(kv_cache, k, v.reshape(-1, c.num_kv_heads, c.head_dim), batch)
+        out = paged_attention(q, kv_cache, batch, self.scale)
+        return layer.o(out.flatten(1))
+
+    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)

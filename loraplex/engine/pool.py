@@ -1,0 +1,55 @@
+"""One preallocated pool of fixed-size pages shared by everything that needs device memory.
+
+    data: [num_pages, page_numel]   (one tensor, allocated once)
+           page 0 | page 1 | page 2 | ...
+            KV      adapter  KV       <- the pool never knows which
+
+Owners (the KV cache manager, the adapter manager) ask for page ids and give them back; each
+views the rows it owns in its own layout. The pool only counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagePool:
+    """Free-list allocator over `num_pages` pages of `page_numel` elements each.
+
+    Invariant: every page id in [0, num_pages) is either in the free list or held by exactly one
+    owner; `num_free + num_used == num_pages` at all times.
+    """
+
+    def __init__(self, num_pages: int, page_numel: int, dtype: torch.dtype, device: str) -> None:
+        if num_pages < 1:
+            raise ValueError(f"the page pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_numel = page_numel
+        self.data = torch.zeros(num_pages, page_numel, dtype=dtype, device=device)
+        # Pop from the end: low page ids are handed out first, which keeps tests readable.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_numel * self.data.element_size()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= len(self._free)
+
+    def allocate(self, num_pages: int) -> list[int]:
+        if not self.can_allocate(num_pages):
+            raise MemoryError(f"asked for {num_pages} pages, {len(self._free)} free")
+        taken = self._free[len(self._free) - num_pages :]
+        del self._free[len(self._free) - num_pages :]
+        return taken[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))

@@ -1,0 +1,36 @@
+"""Runs one scheduled step: flatten, forward, sample."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.forward_batch import build_forward_batch
+from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.model import CausalLM
+from loraplex.engine.sampler import Sampler
+from loraplex.engine.scheduler import SchedulerOutput
+from loraplex.engine.sequence import Sequence, TokenLogprob
+
+Sampled = list[tuple[Sequence, int, TokenLogprob | None]]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv: KVCacheManager, sampler: Sampler,
+                 dtype: torch.dtype, device: str) -> None:
+        self.model = model
+        self.kv = kv
+        self.sampler = sampler
+        self.dtype = dtype
+        self.device = device
+
+    def execute(self, out: SchedulerOutput) -> Sampled:
+        """-> (sequence, new token, its logprobs) for each sequence that completed its tokens."""
+        batch, sampling = build_forward_batch(
+            out.scheduled, self.kv.page_size, self.dtype, self.device
+        )
+        hidden = self.model.forward(batch, self.kv)
+        if not sampling:
+            return []
+        picked = self.sampler(self.model.logits(hidden), sampling)
+        return [(seq, token, logprob) for seq, (token, logprob) in zip(sampling, picked,
+                                                                       strict=True)]

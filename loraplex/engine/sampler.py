@@ -1,0 +1,91 @@
+"""Turns a step's logits into one token per sampling sequence.
+
+Order, as OpenAI and vLLM apply it: frequency/presence penalties on the raw logits, then greedy
+argmax, or temperature -> top-k -> top-p -> a draw from the sequence's own generator (so a seeded
+request draws the same numbers whatever else shares the batch). Log-probabilities are those of the
+model's raw distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.sequence import Sequence, TokenLogprob
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self._shared_generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[int, TokenLogprob | None]]:
+        """logits [num_seqs, vocab] float32, one row per sequence of `seqs`."""
+        raw_logprobs = None
+        if any(seq.params.logprobs is not None for seq in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(seq.params.has_penalties for seq in seqs):
+            logits = _apply_penalties(logits, seqs)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if random_rows:
+            drawn = self._draw(logits[random_rows], [seqs[i] for i in random_rows])
+            token_ids[random_rows] = drawn
+        chosen = token_ids.tolist()
+        return [
+            (token, _logprob_entry(raw_logprobs[i], token, seq.params.logprobs)
+             if raw_logprobs is not None and seq.params.logprobs is not None else None)
+            for i, (token, seq) in enumerate(zip(chosen, seqs, strict=True))
+        ]
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temperatures = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
+        logits = logits / temperatures[:, None]
+        if any(s.params.top_k is not None or s.params.top_p < 1.0 for s in seqs):
+            logits = _top_k_top_p(logits, seqs)
+        probs = torch.softmax(logits, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, and each row's noise
+        # comes from its own generator.
+        noise = torch.stack([
+            torch.empty(probs.shape[1]).exponential_(
+                generator=s.generator or self._shared_generator
+            )
+            for s in seqs
+        ])
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    counts = torch.zeros_like(logits)
+    for row, seq in enumerate(seqs):
+        output = seq.output_token_ids
+        if output:
+            counts[row].index_add_(0, torch.tensor(output), torch.ones(len(output)))
+    frequency = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
+    presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
+    return logits - frequency * counts - presence * (counts > 0).float()
+
+
+def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([min(s.params.top_k or vocab, vocab) for s in seqs])
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
+    ranks = torch.arange(vocab)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it
+    # already does. The best token is always kept.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    filtered = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, filtered)
+
+
+def _logprob_entry(logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if num_top:
+        values, ids = logprobs.topk(num_top)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token_id=token, logprob=logprobs[token].item(), top=top)

@@ -1,0 +1,73 @@
+"""A sequence is one completion being generated; a request with n > 1 has n of them."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens, best first
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids (prompt then output) and how far the model has computed them.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache. When it reaches `num_tokens` the
+    last forward pass produced logits for a new token. Preemption resets it to 0: the prompt and
+    the output so far are recomputed, nothing is sampled twice.
+    """
+
+    request_id: str
+    index: int
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_emitted_tokens: int = 0  # output tokens already handed to the caller
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

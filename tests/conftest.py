@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random models built on the spot, the real SmolLM2, a report of figures.
+
+Tiny models are saved as ordinary Hugging Face checkpoint directories (safetensors + tokenizer),
+so the engine loads them through the same code path as any real checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.factories import build_tiny_model, build_tiny_tokenizer
+
+torch.set_num_threads(os.cpu_count() or 1)
+
+_REPORT: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report():
+    """Append a line to the summary printed at the end of the run (near-ties, figures)."""
+    return _REPORT.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REPORT:
+        terminalreporter.section("loraplex figures")
+        for line in _REPORT:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tiny_tokenizer_dir, tiny_llama) -> dict[str, Path]:
+    dirs = {"llama": tiny_llama}
+    for family in ("llama3", "qwen2", "mistral"):
+        dirs[family] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family,
+                                        tiny_tokenizer_dir)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from loraplex.engine.default_model import prepare_default_model
+
+    return prepare_default_model()
