@@ -14,8 +14,10 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu.toml"
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:
@@ -36,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
-    generate.add_argument("--raw", action="store_true",
-                          help="send the prompt as is, without the chat template")
+    generate.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, without the chat template"
+    )
     generate.set_defaults(func=_generate)
 
     model = commands.add_parser("model", help="manage the base model")
@@ -64,8 +67,9 @@ def _generate(args: argparse.Namespace) -> int:
     from loraplex.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(load_engine_config(args.config, model=args.model))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
     prompt = args.prompt
     if not args.raw and engine.tokenizer.hf.chat_template:
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])

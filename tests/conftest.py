@@ -46,8 +46,9 @@ def tiny_llama(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 def tiny_model_dirs(tmp_path_factory, tiny_tokenizer_dir, tiny_llama) -> dict[str, Path]:
     dirs = {"llama": tiny_llama}
     for family in ("llama3", "qwen2", "mistral"):
-        dirs[family] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family,
-                                        tiny_tokenizer_dir)
+        dirs[family] = build_tiny_model(
+            tmp_path_factory.mktemp(f"tiny-{family}"), family, tiny_tokenizer_dir
+        )
     return dirs
 
 

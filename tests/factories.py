@@ -61,21 +61,38 @@ def build_tiny_tokenizer(out_dir: Path) -> Path:
     return out_dir
 
 
-_TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 
 
 def build_tiny_model(out_dir: Path, family: str, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A randomly initialised checkpoint of `family` (llama, llama3, qwen2, mistral)."""
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
-    common = dict(_TINY, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    common = dict(
+        _TINY,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if family == "llama":
         config, model_class = LlamaConfig(**common, tie_word_embeddings=False), LlamaForCausalLM
     elif family == "llama3":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         config = LlamaConfig(**common, tie_word_embeddings=True, rope_parameters=rope)
         model_class = LlamaForCausalLM
     elif family == "qwen2":

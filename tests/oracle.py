@@ -29,8 +29,9 @@ def load_reference_model(model_dir: Path) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int,
-                     eos_token_id: int | None) -> Reference:
+def reference_greedy(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None
+) -> Reference:
     out = model.generate(
         torch.tensor([prompt_ids]),
         attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
@@ -41,7 +42,7 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int,
         output_logits=True,
         return_dict_in_generate=True,
     )
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     return Reference(token_ids=tokens, logits=[step[0].float() for step in out.logits])
 
 
@@ -59,11 +60,15 @@ def compare_greedy(ours: list[int], ref: Reference) -> Comparison:
         gap = abs(ref.logits[t][mine].item() - ref.logits[t][theirs].item())
         if gap < NEAR_TIE:
             return Comparison(True, t)
-        return Comparison(False, None, f"token {t}: ours {mine}, reference {theirs}, "
-                                       f"reference logit gap {gap:.4g}")
+        return Comparison(
+            False,
+            None,
+            f"token {t}: ours {mine}, reference {theirs}, reference logit gap {gap:.4g}",
+        )
     if len(ours) != len(ref.token_ids):
-        return Comparison(False, None, f"lengths differ: ours {len(ours)}, "
-                                       f"reference {len(ref.token_ids)}")
+        return Comparison(
+            False, None, f"lengths differ: ours {len(ours)}, reference {len(ref.token_ids)}"
+        )
     return Comparison(True, None)
 
 

@@ -54,6 +54,8 @@ class AsyncEngine:
         """Stream the request's deltas until it finishes. Raises ValueError for bad input before
         anything runs. Leaving the loop early (client gone) aborts the request."""
         request = self.engine.make_request(prompt, params, request_id)
+        if request.request_id in self._listeners:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
         listener = _Listener(asyncio.get_running_loop(), asyncio.Queue())
         self._listeners[request.request_id] = listener
         self._inbox.put(("add", request))

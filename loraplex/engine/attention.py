@@ -8,15 +8,15 @@ import torch.nn.functional as F
 from loraplex.engine.forward_batch import ForwardBatch, PrefillSpan
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             batch: ForwardBatch) -> None:
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
     """Store this step's keys/values [num_tokens, num_kv_heads, head_dim] in their slots of
     kv_cache [num_pages, page_size, 2, num_kv_heads, head_dim]."""
     kv_cache[batch.slot_pages, batch.slot_offsets] = torch.stack((k, v), dim=1)
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
-                    scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
 
     kv_cache already holds this step's keys and values.
@@ -35,8 +35,9 @@ def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return pages.view(*block_tables.shape[:-1], -1, *kv_cache.shape[2:])
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
-            scale: float) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
     kv = _gather(kv_cache, batch.decode_block_tables)  # [B, ctx, 2, kv_heads, head_dim]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, heads, 1, head_dim]
@@ -49,8 +50,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
     return out.squeeze(2)
 
 
-def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
-             scale: float) -> torch.Tensor:
+def _prefill(
+    q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float
+) -> torch.Tensor:
     kv = _gather(kv_cache, span.pages)[: span.context_len]  # [ctx, 2, kv_heads, head_dim]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),  # [heads, q_len, head_dim]

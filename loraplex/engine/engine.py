@@ -38,16 +38,23 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         self.tokenizer = TokenizerWrapper(model_dir)
-        self.model = CausalLM(self.model_config, model_dir, self.max_model_len,
-                              config.torch_dtype, config.device)
+        self.model = CausalLM(
+            self.model_config, model_dir, self.max_model_len, config.torch_dtype, config.device
+        )
         self.pool = self._make_pool()
         self.kv = KVCacheManager(self.pool, self.model_config, config.page_size)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.kv, Sampler(config.seed),
-                                  config.torch_dtype, config.device)
+        self.runner = ModelRunner(
+            self.model, self.kv, Sampler(config.seed), config.torch_dtype, config.device
+        )
         self.requests: dict[str, Request] = {}
-        logger.info("engine ready: %s, %d pages of %d tokens (%.1f MiB each)", model_dir,
-                    self.pool.num_pages, config.page_size, self.pool.page_bytes / 2**20)
+        logger.info(
+            "engine ready: %s, %d pages of %d tokens (%.1f MiB each)",
+            model_dir,
+            self.pool.num_pages,
+            config.page_size,
+            self.pool.page_bytes / 2**20,
+        )
 
     def _make_pool(self) -> PagePool:
         page_numel = kv_page_numel(self.model_config, self.config.page_size)
@@ -57,16 +64,19 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None) -> Request:
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
         """Tokenize and validate; raises ValueError naming the problem. Touches no engine state,
         so it may run on any thread."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         max_tokens = self._check_lengths(token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        seqs = [self._make_sequence(request_id, i, token_ids, params, max_tokens)
-                for i in range(params.n)]
+        seqs = [
+            self._make_sequence(request_id, i, token_ids, params, max_tokens)
+            for i in range(params.n)
+        ]
         return Request(request_id, text, token_ids, seqs)
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
@@ -95,8 +105,14 @@ class LLMEngine:
             )
         return max_tokens
 
-    def _make_sequence(self, request_id: str, index: int, token_ids: list[int],
-                       params: SamplingParams, max_tokens: int) -> Sequence:
+    def _make_sequence(
+        self,
+        request_id: str,
+        index: int,
+        token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+    ) -> Sequence:
         generator = None
         if params.seed is not None:
             # each of the n completions draws its own, reproducible numbers
@@ -104,9 +120,16 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(
             self.tokenizer.backend, token_ids, params.stop, params.skip_special_tokens
         )
-        return Sequence(request_id=request_id, index=index, params=params,
-                        token_ids=list(token_ids), num_prompt_tokens=len(token_ids),
-                        max_tokens=max_tokens, detokenizer=detokenizer, generator=generator)
+        return Sequence(
+            request_id=request_id,
+            index=index,
+            params=params,
+            token_ids=list(token_ids),
+            num_prompt_tokens=len(token_ids),
+            max_tokens=max_tokens,
+            detokenizer=detokenizer,
+            generator=generator,
+        )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -106,8 +106,10 @@ def _decode_tables(decodes: list[Sequence], page_size: int, dtype: torch.dtype, 
     context_lens = [seq.num_computed_tokens + 1 for seq in decodes]
     max_pages = -(-max(context_lens) // page_size)
     # Pad short tables with page 0: those columns are masked out below.
-    rows = [seq.block_table[:max_pages] + [0] * (max_pages - len(seq.block_table[:max_pages]))
-            for seq in decodes]
+    rows = [
+        seq.block_table[:max_pages] + [0] * (max_pages - len(seq.block_table[:max_pages]))
+        for seq in decodes
+    ]
     tables = torch.tensor(rows, dtype=torch.long, device=device)
     lens = torch.tensor(context_lens, device=device)
     visible = torch.arange(max_pages * page_size, device=device)[None, :] < lens[:, None]

@@ -1,9 +1,9 @@
 """Offline batch API, in the shape vLLM users know:
 
-    from loraplex import LLM, SamplingParams
-    llm = LLM(model="default")
-    for result in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
-        print(result.outputs[0].text)
+from loraplex import LLM, SamplingParams
+llm = LLM(model="default")
+for result in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
+    print(result.outputs[0].text)
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         param_list = _per_prompt(params, len(prompts))
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, param_list,
-                                                                      strict=True)]
+        requests = [
+            self.engine.make_request(p, sp) for p, sp in zip(prompts, param_list, strict=True)
+        ]
         results = {}
         for request in requests:
             self.engine.add_request(request)

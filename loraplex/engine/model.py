@@ -50,8 +50,14 @@ class Layer:
 
 
 class CausalLM:
-    def __init__(self, config: ModelConfig, model_dir: Path, max_positions: int,
-                 dtype: torch.dtype, device: str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        model_dir: Path,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
         self.config = config
         weights = load_weights(model_dir, config, dtype, device)
         self.embed = weights.embed  # [vocab, hidden]
@@ -76,16 +82,30 @@ class CausalLM:
         """[num_sampled, hidden] -> [num_sampled, vocab] in float32."""
         return self.lm_head(hidden).float()
 
-    def _layer(self, layer: Layer, hidden: torch.Tensor, batch: ForwardBatch,
-               kv_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _layer(
+        self,
+        layer: Layer,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         x = rms_norm(hidden, layer.input_norm, eps)
         hidden = hidden + self._attention(layer, x, batch, kv_cache, cos, sin)
         x = rms_norm(hidden, layer.post_attention_norm, eps)
         return hidden + self._mlp(layer, x)
 
-    def _attention(self, layer: Layer, x: torch.Tensor, batch: ForwardBatch,
-                   kv_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self,
+        layer: Layer,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         c = self.config
         qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)

@@ -15,8 +15,9 @@ Sampled = list[tuple[Sequence, int, TokenLogprob | None]]
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCacheManager, sampler: Sampler,
-                 dtype: torch.dtype, device: str) -> None:
+    def __init__(
+        self, model: CausalLM, kv: KVCacheManager, sampler: Sampler, dtype: torch.dtype, device: str
+    ) -> None:
         self.model = model
         self.kv = kv
         self.sampler = sampler
@@ -32,5 +33,6 @@ class ModelRunner:
         if not sampling:
             return []
         picked = self.sampler(self.model.logits(hidden), sampling)
-        return [(seq, token, logprob) for seq, (token, logprob) in zip(sampling, picked,
-                                                                       strict=True)]
+        return [
+            (seq, token, logprob) for seq, (token, logprob) in zip(sampling, picked, strict=True)
+        ]

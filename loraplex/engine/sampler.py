@@ -33,8 +33,12 @@ class Sampler:
             token_ids[random_rows] = drawn
         chosen = token_ids.tolist()
         return [
-            (token, _logprob_entry(raw_logprobs[i], token, seq.params.logprobs)
-             if raw_logprobs is not None and seq.params.logprobs is not None else None)
+            (
+                token,
+                _logprob_entry(raw_logprobs[i], token, seq.params.logprobs)
+                if raw_logprobs is not None and seq.params.logprobs is not None
+                else None,
+            )
             for i, (token, seq) in enumerate(zip(chosen, seqs, strict=True))
         ]
 
@@ -46,12 +50,14 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, and each row's noise
         # comes from its own generator.
-        noise = torch.stack([
-            torch.empty(probs.shape[1]).exponential_(
-                generator=s.generator or self._shared_generator
-            )
-            for s in seqs
-        ])
+        noise = torch.stack(
+            [
+                torch.empty(probs.shape[1]).exponential_(
+                    generator=s.generator or self._shared_generator
+                )
+                for s in seqs
+            ]
+        )
         return (probs / noise).argmax(dim=-1)
 
 

@@ -82,8 +82,11 @@ def _check_range(
 
 
 def _check_int(name: str, value: int, low: int, high: int | None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (
-        high is not None and value > high
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < low
+        or (high is not None and value > high)
     ):
         allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")

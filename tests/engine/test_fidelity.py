@@ -29,8 +29,10 @@ def run_and_compare(model_dir, prompts, max_tokens, eos, report, label, **engine
     hf = load_reference_model(model_dir)
     refs = [reference_greedy(hf, p, max_tokens, eos) for p in prompts]
     near_ties = assert_matches_reference([r.outputs[0].token_ids for r in results], refs)
-    report(f"{label}: {len(prompts)} prompts identical to transformers, {near_ties} near-ties, "
-           f"{llm.engine.num_preemptions} preemptions")
+    report(
+        f"{label}: {len(prompts)} prompts identical to transformers, {near_ties} near-ties, "
+        f"{llm.engine.num_preemptions} preemptions"
+    )
     return llm
 
 
@@ -46,8 +48,9 @@ def test_tiny_model_matches_transformers_under_preemption(tiny_llama, report):
     llm = make_llm(tiny_llama)
     prompts = mixed_prompts(llm.tokenizer, 16, seed=2)
     # 12 pages of 16 tokens: the longest request needs 10, all together need ~50.
-    llm = run_and_compare(tiny_llama, prompts, 24, None, report, "tiny llama, 12-page pool",
-                          num_pages=12)
+    llm = run_and_compare(
+        tiny_llama, prompts, 24, None, report, "tiny llama, 12-page pool", num_pages=12
+    )
     assert llm.engine.num_preemptions > 0
 
 
@@ -63,6 +66,7 @@ def test_smollm2_matches_transformers(smollm2_dir, report):
 def test_smollm2_matches_transformers_under_preemption(smollm2_dir, report):
     llm = make_llm(smollm2_dir)
     prompts = mixed_prompts(llm.tokenizer, 16, seed=3)
-    llm = run_and_compare(smollm2_dir, prompts, 24, None, report, "SmolLM2, 16-page pool",
-                          num_pages=16)
+    llm = run_and_compare(
+        smollm2_dir, prompts, 24, None, report, "SmolLM2, 16-page pool", num_pages=16
+    )
     assert llm.engine.num_preemptions > 0

@@ -1,0 +1,1 @@
+"""Batched-LoRA kernels: Triton for CUDA, a torch reference with the same contract."""

@@ -1,0 +1,1 @@
+"""The serving platform: OpenAI routes, admin routes, tenancy, SQL registry, limits."""

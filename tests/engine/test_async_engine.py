@@ -1,0 +1,87 @@
+"""The async engine: concurrent streams, disconnects, bad input, all on the step thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from loraplex.engine.api import AsyncEngine, EngineConfig, SamplingParams
+from tests.factories import make_llm
+
+PROMPTS = ["the river", "a cat sleeps", "old city light", "the king tells of a story"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), memory_budget="64MiB"))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params, request_id=None):
+    text, tokens, deltas = "", [], 0
+    async for delta in engine.generate(prompt, params, request_id):
+        text += delta.outputs[0].text
+        tokens += delta.outputs[0].token_ids
+        deltas += 1
+        last = delta
+    return text, tokens, deltas, last
+
+
+def test_concurrent_streams_match_the_offline_engine(engine, tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS))
+
+    streamed = asyncio.run(main())
+    offline = make_llm(tiny_llama).generate(PROMPTS, params)
+    for (text, tokens, deltas, last), result in zip(streamed, offline, strict=True):
+        assert tokens == result.outputs[0].token_ids
+        assert text == result.outputs[0].text
+        assert deltas == 20  # one delta per generated token
+        assert last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_leaving_the_stream_aborts_the_request_and_frees_its_pages(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def disconnect_early():
+        async for _ in engine.generate("the river", params, "leaver"):
+            break  # the client went away
+
+    asyncio.run(disconnect_early())
+    pool = engine.engine.pool
+    deadline = time.monotonic() + 10
+    while (engine.engine.has_unfinished() or pool.num_free != pool.num_pages) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.01)
+    assert not engine.engine.has_unfinished()
+    assert pool.num_free == pool.num_pages
+
+
+def test_bad_input_raises_before_anything_runs_and_serving_continues(engine):
+    async def main():
+        with pytest.raises(ValueError, match="max_tokens must be in"):
+            await collect(engine, "the river", SamplingParams(max_tokens=10**6))
+        return await collect(engine, "the river", SamplingParams(max_tokens=3, ignore_eos=True))
+
+    _, tokens, _, last = asyncio.run(main())
+    assert len(tokens) == 3 and last.finished
+
+
+def test_duplicate_request_id_is_refused(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def main():
+        first = asyncio.create_task(collect(engine, "the river", params, "same-id"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="already in flight"):
+            await collect(engine, "a cat", params, "same-id")
+        return await first
+
+    _, tokens, _, _ = asyncio.run(main())
+    assert len(tokens) == 50
