@@ -9,8 +9,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter. This must be set before anything
+# imports triton (transformers may), hence here, first; importing torch does not import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 from tests.factories import build_tiny_model, build_tiny_tokenizer
 

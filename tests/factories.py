@@ -130,3 +130,35 @@ def _spread_weights(model: torch.nn.Module) -> None:
 def make_llm(model_dir: Path, **options) -> LLM:
     options.setdefault("memory_budget", "64MiB")
     return LLM(model=str(model_dir), **options)
+
+
+def build_adapter(
+    base_dir: Path,
+    out_dir: Path,
+    rank: int,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    alpha: float | None = None,
+    rslora: bool = False,
+    seed: int = 0,
+    std: float = 0.15,
+) -> Path:
+    """A PEFT LoRA adapter with random A and B (PEFT's own init leaves B zero, a no-op)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.oracle import load_reference_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha or 2 * rank,
+        target_modules=list(targets),
+        use_rslora=rslora,
+        lora_dropout=0.0,
+    )
+    model = get_peft_model(load_reference_model(base_dir), config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -184,6 +184,10 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context
     num_threads: int | None = None  # torch intra-op threads on CPU; None = all cores
     seed: int = 0
+    max_lora_rank: int = 128
+    adapter_roots: tuple[str, ...] | None = None  # None: any directory (offline use)
+    adapter_host_cache: int | str = "1GiB"  # validated adapters kept in host memory
+    lora_backend: str | None = None  # None: decided by the device (see engine/device.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -197,6 +201,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if parse_size(self.memory_budget) < 1:
             raise ValueError(f"memory_budget must be positive, got {self.memory_budget!r}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if isinstance(self.adapter_roots, list):
+            object.__setattr__(self, "adapter_roots", tuple(self.adapter_roots))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,5 +1,8 @@
 """Every device-specific choice of the engine, made here and nowhere else.
 
+Batched LoRA: the Triton kernels on CUDA; on CPU the torch path that stacks decode tokens'
+adapters into batched matmuls (the Triton interpreter is for testing, far too slow to serve).
+
 On CPU, dense projections run through oneDNN with weights prepacked once at load time: on the
 2-core AVX-512 machines loraplex is developed on, that is 2-3x faster than the default BLAS path
 for the 32-to-256-row batches of a serving step, and still IEEE float32. Anywhere else (CUDA, or a
@@ -12,6 +15,17 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+LORA_BACKENDS = ("torch", "triton", "reference")
+
+
+def choose_lora_backend(device: str, override: str | None) -> str:
+    if override is not None:
+        if override not in LORA_BACKENDS:
+            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {override!r}")
+        return override
+    return "triton" if device.startswith("cuda") else "torch"
+
 
 # Row count oneDNN tunes the packed layout for; any row count works.
 _PACKING_ROWS_HINT = 64

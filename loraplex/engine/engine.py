@@ -6,10 +6,17 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.config import EngineConfig, ModelConfig
+from loraplex.engine.adapters.manager import (
+    AdapterCatalog,
+    AdapterManager,
+    AdapterRef,
+    PoolSnapshot,
+)
+from loraplex.engine.config import EngineConfig, ModelConfig, parse_size
 from loraplex.engine.default_model import resolve_model
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.kv_cache import KVCacheManager, kv_page_numel
@@ -24,6 +31,15 @@ from loraplex.engine.sequence import Sequence, Status
 from loraplex.engine.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """Serve a request with this adapter. `adapter_id` names one version of an adapter: the
+    engine reads `path` once per id (and again only if the path changes)."""
+
+    adapter_id: str
+    path: str
 
 
 class LLMEngine:
@@ -43,10 +59,18 @@ class LLMEngine:
         )
         self.pool = self._make_pool()
         self.kv = KVCacheManager(self.pool, self.model_config, config.page_size)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(
-            self.model, self.kv, Sampler(config.seed), config.torch_dtype, config.device
+        self.catalog = AdapterCatalog(
+            self.model_config,
+            config.torch_dtype,
+            config.max_lora_rank,
+            config.adapter_roots,
+            parse_size(config.adapter_host_cache),
         )
+        self.adapters = AdapterManager(self.pool, self.model_config)
+        self.scheduler = Scheduler(
+            self.kv, self.adapters, config.max_num_batched_tokens, config.max_num_seqs
+        )
+        self.runner = ModelRunner(self.model, self.kv, Sampler(config.seed), config)
         self.requests: dict[str, Request] = {}
         logger.info(
             "engine ready: %s, %d pages of %d tokens (%.1f MiB each)",
@@ -65,21 +89,29 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def make_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> Request:
-        """Tokenize and validate; raises ValueError naming the problem. Touches no engine state,
-        so it may run on any thread."""
+        """Tokenize, read the adapter (from the host cache or disk) and validate; raises
+        ValueError naming the problem. Touches no engine-thread state, so any thread may call
+        it."""
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
-        max_tokens = self._check_lengths(token_ids, params)
+        adapter = self.catalog.get(lora.adapter_id, lora.path) if lora else None
+        max_tokens = self._check_lengths(token_ids, params, adapter)
         request_id = request_id or uuid.uuid4().hex
         seqs = [
-            self._make_sequence(request_id, i, token_ids, params, max_tokens)
+            self._make_sequence(request_id, i, token_ids, params, max_tokens, adapter)
             for i in range(params.n)
         ]
         return Request(request_id, text, token_ids, seqs)
 
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
+    def _check_lengths(
+        self, token_ids: list[int], params: SamplingParams, adapter: AdapterRef | None
+    ) -> int:
         num_prompt, context = len(token_ids), self.max_model_len
         if num_prompt == 0:
             raise ValueError("prompt is empty")
@@ -98,10 +130,12 @@ class LLMEngine:
                 f"({num_prompt} tokens, context {context}), got {max_tokens}"
             )
         needed = self.kv.pages_for(num_prompt + max_tokens)
-        if needed > self.pool.num_pages:
+        adapter_pages = self.adapters.plan_pages(adapter.weights) if adapter else 0
+        if needed + adapter_pages > self.pool.num_pages:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {needed} KV "
-                f"pages; the pool has {self.pool.num_pages}"
+                f"pages{f' and the adapter {adapter_pages}' if adapter else ''}; "
+                f"the pool has {self.pool.num_pages}"
             )
         return max_tokens
 
@@ -112,6 +146,7 @@ class LLMEngine:
         token_ids: list[int],
         params: SamplingParams,
         max_tokens: int,
+        adapter: AdapterRef | None,
     ) -> Sequence:
         generator = None
         if params.seed is not None:
@@ -129,6 +164,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             detokenizer=detokenizer,
             generator=generator,
+            adapter=adapter,
         )
 
     def add_request(self, request: Request) -> None:
@@ -194,6 +230,32 @@ class LLMEngine:
         if seq.num_output_tokens >= seq.max_tokens:
             return "length"
         return None
+
+    # -- adapters ---------------------------------------------------------------------------
+
+    def load_adapter(self, lora: LoRARequest, pin: bool = False) -> None:
+        """Read and validate the adapter, and bring it into the pool now if there is room (or
+        always, when pinned). Raises AdapterError (a ValueError) naming the problem."""
+        ref = self.catalog.get(lora.adapter_id, lora.path)
+        if pin:
+            self.adapters.pin(ref)
+        else:
+            self.adapters.preload(ref)
+
+    def pin_adapter(self, lora: LoRARequest) -> None:
+        self.load_adapter(lora, pin=True)
+
+    def unpin_adapter(self, adapter_id: str) -> None:
+        self.adapters.unpin(adapter_id)
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        """Forget the adapter. Requests already in flight with it still finish."""
+        self.catalog.forget(adapter_id)
+        self.adapters.unload(adapter_id)
+
+    def pool_snapshot(self) -> PoolSnapshot:
+        kv_pages = sum(len(s.block_table) for s in self.scheduler.running)
+        return self.adapters.snapshot(kv_pages)
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ The step's tokens are flattened into one unpadded batch, decode tokens first:
              decodes    prefill span 0  prefill span 1   (a span is one sequence's chunk)
 
 Decodes (one query token each) run attention together over their gathered pages; each prefill
-span runs causal attention over its sequence's pages.
+span runs causal attention over its sequence's pages. Decodes are ordered base model first, then
+by adapter, so that each adapter's tokens are contiguous for batched LoRA.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.adapters.lora_batch import KernelLoRA, TorchLoRA, build_lora_batch
 from loraplex.engine.sequence import Sequence
 
 
@@ -38,18 +40,31 @@ class ForwardBatch:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] additive
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
+    lora: TorchLoRA | KernelLoRA | None  # None when no token uses an adapter
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
 
+def _batch_order(item: tuple[Sequence, int]):
+    seq, num_new = item
+    adapter = seq.resident_adapter
+    return num_new != 1, adapter is not None, adapter.batch_order if adapter else ()
+
+
 def build_forward_batch(
-    scheduled: list[tuple[Sequence, int]], page_size: int, dtype: torch.dtype, device: str
+    scheduled: list[tuple[Sequence, int]],
+    page_size: int,
+    dtype: torch.dtype,
+    device: str,
+    lora_backend: str,
+    pool: torch.Tensor,
 ) -> tuple[ForwardBatch, list[Sequence]]:
     """Flatten the scheduled (sequence, num_new_tokens) pairs; also return, in row order of
     `logits_indices`, the sequences that sample a token this step."""
-    ordered = sorted(scheduled, key=lambda item: item[1] != 1)  # decodes first, stable
+    ordered = sorted(scheduled, key=_batch_order)
+    token_adapters = [seq.resident_adapter for seq, num_new in ordered for _ in range(num_new)]
     input_ids, positions, slot_pages, slot_offsets = [], [], [], []
     logits_indices, sampling = [], []
     decodes, prefills = [], []
@@ -79,6 +94,7 @@ def build_forward_batch(
         decode_mask=mask,
         prefills=prefills,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+        lora=build_lora_batch(lora_backend, token_adapters, len(decodes), pool),
     )
     return batch, sampling
 

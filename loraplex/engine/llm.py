@@ -9,7 +9,7 @@ for result in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
 from __future__ import annotations
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine import LLMEngine
+from loraplex.engine.engine import LLMEngine, LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -23,13 +23,22 @@ class LLM:
         self,
         prompts: str | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        adapters: list[str | LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One result per prompt, in order; all prompts run together in the continuous batch."""
+        """One result per prompt, in order; all prompts run together in the continuous batch.
+
+        `adapters` gives each prompt a LoRA adapter (a PEFT directory or a LoRARequest), or None
+        for the base model.
+        """
         if isinstance(prompts, str):
             prompts = [prompts]
         param_list = _per_prompt(params, len(prompts))
+        loras = [_as_lora(a) for a in adapters] if adapters else [None] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} adapters for {len(prompts)} prompts")
         requests = [
-            self.engine.make_request(p, sp) for p, sp in zip(prompts, param_list, strict=True)
+            self.engine.make_request(p, sp, lora=lora)
+            for p, sp, lora in zip(prompts, param_list, loras, strict=True)
         ]
         results = {}
         for request in requests:
@@ -50,10 +59,18 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        adapters: list[str | LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Like `generate`, for conversations: applies the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.tokenizer.encode_chat(c) for c in conversations], params)
+        prompts = [self.tokenizer.encode_chat(c) for c in conversations]
+        return self.generate(prompts, params, adapters)
+
+
+def _as_lora(adapter: str | LoRARequest | None) -> LoRARequest | None:
+    if adapter is None or isinstance(adapter, LoRARequest):
+        return adapter
+    return LoRARequest(adapter_id=str(adapter), path=str(adapter))
 
 
 def _per_prompt(params: SamplingParams | list[SamplingParams] | None, n: int):

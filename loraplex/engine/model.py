@@ -73,7 +73,7 @@ class CausalLM:
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
         cos, sin = self.rope.lookup(batch.positions)
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(layer, hidden, batch, kv.layer_cache(index), cos, sin)
+            hidden = self._layer(index, layer, hidden, batch, kv.layer_cache(index), cos, sin)
         hidden = hidden[batch.logits_indices]
         return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
 
@@ -84,6 +84,7 @@ class CausalLM:
 
     def _layer(
         self,
+        index: int,
         layer: Layer,
         hidden: torch.Tensor,
         batch: ForwardBatch,
@@ -93,12 +94,13 @@ class CausalLM:
     ) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         x = rms_norm(hidden, layer.input_norm, eps)
-        hidden = hidden + self._attention(layer, x, batch, kv_cache, cos, sin)
+        hidden = hidden + self._attention(index, layer, x, batch, kv_cache, cos, sin)
         x = rms_norm(hidden, layer.post_attention_norm, eps)
-        return hidden + self._mlp(layer, x)
+        return hidden + self._mlp(index, layer, x, batch)
 
     def _attention(
         self,
+        index: int,
         layer: Layer,
         x: torch.Tensor,
         batch: ForwardBatch,
@@ -109,12 +111,29 @@ class CausalLM:
         c = self.config
         qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        for module, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            _add_lora(batch, index, module, x, out)
         q = self.rope.rotate(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
         k = self.rope.rotate(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
         write_kv(kv_cache, k, v.reshape(-1, c.num_kv_heads, c.head_dim), batch)
-        out = paged_attention(q, kv_cache, batch, self.scale)
-        return layer.o(out.flatten(1))
+        attended = paged_attention(q, kv_cache, batch, self.scale).flatten(1)
+        out = layer.o(attended)
+        _add_lora(batch, index, "o_proj", attended, out)
+        return out
 
-    def _mlp(self, layer: Layer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, index: int, layer: Layer, x: torch.Tensor, batch: ForwardBatch):
         gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        return layer.down(F.silu(gate) * up)
+        _add_lora(batch, index, "gate_proj", x, gate)
+        _add_lora(batch, index, "up_proj", x, up)
+        hidden = F.silu(gate) * up
+        out = layer.down(hidden)
+        _add_lora(batch, index, "down_proj", hidden, out)
+        return out
+
+
+def _add_lora(
+    batch: ForwardBatch, layer: int, module: str, x: torch.Tensor, out: torch.Tensor
+) -> None:
+    """out += the LoRA delta of `module` for the tokens whose adapter changes it."""
+    if batch.lora is not None:
+        batch.lora.add(layer, module, x, out)

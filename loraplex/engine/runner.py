@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.device import choose_lora_backend
 from loraplex.engine.forward_batch import build_forward_batch
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.model import CausalLM
@@ -16,18 +16,24 @@ Sampled = list[tuple[Sequence, int, TokenLogprob | None]]
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, kv: KVCacheManager, sampler: Sampler, dtype: torch.dtype, device: str
+        self, model: CausalLM, kv: KVCacheManager, sampler: Sampler, config: EngineConfig
     ) -> None:
         self.model = model
         self.kv = kv
         self.sampler = sampler
-        self.dtype = dtype
-        self.device = device
+        self.dtype = config.torch_dtype
+        self.device = config.device
+        self.lora_backend = choose_lora_backend(config.device, config.lora_backend)
 
     def execute(self, out: SchedulerOutput) -> Sampled:
         """-> (sequence, new token, its logprobs) for each sequence that completed its tokens."""
         batch, sampling = build_forward_batch(
-            out.scheduled, self.kv.page_size, self.dtype, self.device
+            out.scheduled,
+            self.kv.page_size,
+            self.dtype,
+            self.device,
+            self.lora_backend,
+            self.kv.pool.data,
         )
         hidden = self.model.forward(batch, self.kv)
         if not sampling:

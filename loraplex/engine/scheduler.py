@@ -3,8 +3,16 @@
 Each step has a token budget. Running sequences go first, in arrival order, so decodes never wait
 behind a long prompt: a prompt only gets what the budget has left (chunked prefill). Waiting
 sequences are admitted first come, first served while budget, sequence slots and pages last.
-When a running sequence needs a page and none is free, the newest running sequence is preempted:
-its pages are freed and it is recomputed from its tokens later (nothing is sampled twice).
+
+Memory is one pool: a sequence's next pages of KV and, if its adapter is not resident, the
+adapter's pages are counted together, and idle adapters (no running user, not pinned) are evicted
+least recently used first before any sequence is preempted. When a running sequence still cannot
+grow, the newest running sequence is preempted: its pages are freed and it is recomputed from its
+tokens later (nothing is sampled twice).
+
+When the head of the queue waits for room to load its adapter, requests behind it whose adapters
+are already resident may go first (no load, no thrash), for at most MAX_BYPASS_STEPS steps; after
+that nobody overtakes it until it runs.
 """
 
 from __future__ import annotations
@@ -12,8 +20,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from loraplex.engine.adapters.manager import AdapterManager
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.sequence import Sequence, Status
+
+MAX_BYPASS_STEPS = 16
 
 
 @dataclass
@@ -31,8 +42,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        adapters: AdapterManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+    ) -> None:
         self.kv = kv
+        self.adapters = adapters
+        self.pool = kv.pool
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -52,6 +71,25 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    # -- memory ----------------------------------------------------------------------------
+
+    def _pages_needed(self, seq: Sequence, num_new: int) -> int:
+        kv = self.kv.num_missing_pages(seq.block_table, seq.num_computed_tokens + num_new)
+        return kv + (0 if seq.resident_adapter else self.adapters.pages_to_load(seq.adapter))
+
+    def _fits(self, seq: Sequence, num_new: int) -> bool:
+        available = self.pool.num_free + self.adapters.evictable_pages(keep=seq.adapter)
+        return self._pages_needed(seq, num_new) <= available
+
+    def _reserve(self, seq: Sequence, num_new: int) -> None:
+        """Take the pages `seq` needs for `num_new` more tokens (it must fit)."""
+        self.adapters.free_up(self._pages_needed(seq, num_new), keep=seq.adapter)
+        if seq.adapter is not None and seq.resident_adapter is None:
+            seq.resident_adapter = self.adapters.acquire(seq.adapter)
+        self.kv.grow(seq.block_table, seq.num_computed_tokens + num_new)
+
+    # -- running ---------------------------------------------------------------------------
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -59,15 +97,15 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, num_new, out):
                 break  # seq itself was preempted; it was the last running one
-            self.kv.grow(seq.block_table, seq.num_computed_tokens + num_new)
+            self._reserve(seq, num_new)
             out.scheduled.append((seq, num_new))
             budget -= num_new
             i += 1
         return budget
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until `seq` can grow; False if `seq` went."""
-        while not self.kv.can_grow(seq.block_table, seq.num_computed_tokens + num_new):
+        """Preempt the newest running sequences until `seq` fits; False if `seq` went."""
+        while not self._fits(seq, num_new):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
@@ -75,41 +113,65 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv.can_grow(seq.block_table, seq.num_computed_tokens + num_new):
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            self.kv.grow(seq.block_table, seq.num_computed_tokens + num_new)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            out.scheduled.append((seq, num_new))
-            budget -= num_new
-
     def _preempt(self, seq: Sequence) -> None:
-        self.kv.release(seq.block_table)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.kv.release(seq.block_table)
+        if seq.resident_adapter is not None:
+            self.adapters.release(seq.adapter)
+            seq.resident_adapter = None
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        index = 0
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            overtaking = index > 0
+            if self._fits(seq, num_new) and not (overtaking and self._needs_load(seq)):
+                del self.waiting[index]
+                self._admit(seq, num_new, out)
+                budget -= num_new
+            elif overtaking or self._may_be_overtaken(seq):
+                index += 1
+            else:
+                break  # first come, first served
+
+    def _needs_load(self, seq: Sequence) -> bool:
+        return self.adapters.pages_to_load(seq.adapter) > 0
+
+    def _may_be_overtaken(self, head: Sequence) -> bool:
+        if not self._needs_load(head) or head.num_bypassed >= MAX_BYPASS_STEPS:
+            return False
+        head.num_bypassed += 1
+        return True
+
+    def _admit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        self._reserve(seq, num_new)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        out.scheduled.append((seq, num_new))
+
+    # -- after the step --------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the step ran; drop finished sequences."""
         for seq, num_new in out.scheduled:
             seq.num_computed_tokens += num_new
         if any(seq.is_finished for seq, _ in out.scheduled):
-            self._drop_finished()
-
-    def _drop_finished(self) -> None:
-        still_running = []
-        for seq in self.running:
-            if seq.is_finished:
-                self.kv.release(seq.block_table)
-            else:
-                still_running.append(seq)
-        self.running = still_running
+            still_running = []
+            for seq in self.running:
+                if seq.is_finished:
+                    self._release(seq)
+                else:
+                    still_running.append(seq)
+            self.running = still_running
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Remove these sequences wherever they are and free their pages."""
@@ -117,5 +179,5 @@ class Scheduler:
         self.waiting = deque(s for s in self.waiting if id(s) not in doomed)
         self.running = [s for s in self.running if id(s) not in doomed]
         for seq in seqs:
-            self.kv.release(seq.block_table)
+            self._release(seq)
             seq.status = Status.FINISHED

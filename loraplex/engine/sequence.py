@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.adapters.manager import AdapterRef, ResidentAdapter
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -46,6 +47,9 @@ class Sequence:
     max_tokens: int
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    adapter: AdapterRef | None = None
+    resident_adapter: ResidentAdapter | None = None  # set while running
+    num_bypassed: int = 0  # steps in which later requests were admitted ahead of this one
     arrival_time: float = field(default_factory=time.monotonic)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: Status = Status.WAITING

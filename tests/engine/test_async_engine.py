@@ -77,11 +77,12 @@ def test_duplicate_request_id_is_refused(engine):
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 
     async def main():
-        first = asyncio.create_task(collect(engine, "the river", params, "same-id"))
-        await asyncio.sleep(0.05)
+        first = engine.generate("the river", params, "same-id")
+        tokens = (await anext(first)).outputs[0].token_ids  # now surely in flight
         with pytest.raises(ValueError, match="already in flight"):
             await collect(engine, "a cat", params, "same-id")
-        return await first
+        async for delta in first:
+            tokens += delta.outputs[0].token_ids
+        return tokens
 
-    _, tokens, _, _ = asyncio.run(main())
-    assert len(tokens) == 50
+    assert len(asyncio.run(main())) == 50

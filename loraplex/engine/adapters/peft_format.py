@@ -1,0 +1,248 @@
+"""Reads a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) into host memory,
+refusing anything loraplex cannot serve exactly, with a message that names the problem.
+
+PEFT stores lora_A as [rank, in_features] and lora_B as [out_features, rank]. loraplex keeps A as
+is and B transposed, so that both are `rank` rows of one contiguous vector each:
+
+    a[(layer, module)]: [rank, in_features]    shrink: v = x @ a.T
+    b[(layer, module)]: [rank, out_features]   expand: y += scale * v @ b
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from loraplex.engine.config import ModelConfig
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+_TENSOR_NAME = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+)
+# PEFT options that change what the weights mean: served wrongly if ignored, so refused.
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora)",
+    "modules_to_save": "modules_to_save",
+    "lora_bias": "lora_bias",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+    "layer_replication": "layer_replication",
+    "use_qalora": "QALoRA (use_qalora)",
+    "trainable_token_indices": "trainable_token_indices",
+    "target_parameters": "target_parameters",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "use_bdlora": "use_bdlora",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "kasa_config": "kasa_config",
+    "velora_config": "velora_config",
+    "monteclora_config": "monteclora_config",
+}
+
+
+class AdapterError(ValueError):
+    """The adapter cannot be served; the message says what is wrong and where."""
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One adapter in host memory, identified by the hash of its config and weights."""
+
+    content_hash: str
+    rank: int
+    scale: float
+    a: dict[tuple[int, str], torch.Tensor]
+    b: dict[tuple[int, str], torch.Tensor]
+
+    @property
+    def modules(self) -> frozenset[str]:
+        return frozenset(module for _, module in self.a)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+
+def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a projection of the base model."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (hidden, config.q_size),
+        "k_proj": (hidden, config.kv_size),
+        "v_proj": (hidden, config.kv_size),
+        "o_proj": (config.q_size, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }[module]
+
+
+def resolve_adapter_path(path: str | Path, roots: tuple[str, ...] | None) -> Path:
+    """The real path of an adapter directory, which must lie inside one of `roots` (if set)."""
+    real = Path(os.path.realpath(Path(path).expanduser()))
+    if roots is not None:
+        allowed = [Path(os.path.realpath(Path(r).expanduser())) for r in roots]
+        if not any(real == root or root in real.parents for root in allowed):
+            raise AdapterError(f"adapter path {path} is outside the configured adapter roots")
+    if not real.is_dir():
+        raise AdapterError(f"adapter path {path} is not a directory")
+    return real
+
+
+def load_peft_adapter(
+    path: str | Path,
+    model: ModelConfig,
+    max_rank: int,
+    dtype: torch.dtype,
+    roots: tuple[str, ...] | None = None,
+) -> LoRAWeights:
+    directory = resolve_adapter_path(path, roots)
+    config = _read_config(directory)
+    weights_path = _weights_file(directory)
+    a, b = _read_tensors(weights_path, model, dtype)
+    rank = _check_ranks(a, b, int(config.get("r", 0)), max_rank)
+    alpha = float(config.get("lora_alpha", rank))
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return LoRAWeights(
+        content_hash=_content_hash(config, weights_path),
+        rank=rank,
+        scale=scale,
+        a=a,
+        b=b,
+    )
+
+
+def _read_config(directory: Path) -> dict:
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise AdapterError(f"{directory} has no {CONFIG_FILE}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise AdapterError(f"{config_path} is not valid JSON: {error}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter type {config.get('peft_type')} is not supported (LORA only)")
+    for option, label in _UNSUPPORTED_OPTIONS.items():
+        if config.get(option):
+            raise AdapterError(f"{label} is not supported")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(f"bias={config['bias']!r} is not supported (bias='none' only)")
+    targets = config.get("target_modules") or []
+    for module in [targets] if isinstance(targets, str) else targets:
+        if module in ("embed_tokens", "lm_head"):
+            raise AdapterError(
+                f"LoRA on {module} is not supported; supported: {', '.join(MODULES)}"
+            )
+    return config
+
+
+def _weights_file(directory: Path) -> Path:
+    weights = directory / WEIGHTS_FILE
+    if weights.is_file():
+        return weights
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
+        raise AdapterError(
+            f"{directory} holds pickle weights (.bin/.pt), which loraplex never unpickles: "
+            f"save the adapter with safetensors ({WEIGHTS_FILE})"
+        )
+    raise AdapterError(f"{directory} has no {WEIGHTS_FILE}")
+
+
+def _read_tensors(path: Path, model: ModelConfig, dtype: torch.dtype):
+    a: dict[tuple[int, str], torch.Tensor] = {}
+    b: dict[tuple[int, str], torch.Tensor] = {}
+    try:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                layer, module, kind = _parse_name(name, model)
+                tensor = f.get_tensor(name)
+                _check_shape(name, tensor, model, module, kind)
+                if not torch.isfinite(tensor).all():
+                    raise AdapterError(f"adapter tensor {name} holds NaN or infinite values")
+                if kind == "A":
+                    a[(layer, module)] = tensor.to(dtype).contiguous()
+                else:
+                    b[(layer, module)] = tensor.t().to(dtype).contiguous()
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise AdapterError(
+            f"{path} is not a readable safetensors file (corrupt or truncated?): {error}"
+        ) from None
+    if not a:
+        raise AdapterError(f"{path} holds no LoRA weights")
+    if a.keys() != b.keys():
+        missing = sorted(set(a.keys()) ^ set(b.keys()))[0]
+        raise AdapterError(f"layer {missing[0]} {missing[1]} has only one of lora_A / lora_B")
+    return a, b
+
+
+def _parse_name(name: str, model: ModelConfig) -> tuple[int, str, str]:
+    match = _TENSOR_NAME.match(name)
+    if match is None:
+        if "lora_magnitude_vector" in name:
+            raise AdapterError("DoRA (use_dora) is not supported")
+        if "embed" in name or "lm_head" in name:
+            raise AdapterError(
+                f"adapter tensor {name}: LoRA on embeddings or lm_head is not "
+                f"supported; supported: {', '.join(MODULES)}"
+            )
+        raise AdapterError(
+            f"adapter tensor {name} is not a LoRA weight of a supported module "
+            f"({', '.join(MODULES)})"
+        )
+    layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
+    if module not in MODULES:
+        raise AdapterError(
+            f"adapter tensor {name}: LoRA on {module} is not supported; "
+            f"supported: {', '.join(MODULES)}"
+        )
+    if layer >= model.num_layers:
+        raise AdapterError(
+            f"adapter tensor {name} is for layer {layer}; the base model has "
+            f"{model.num_layers} layers"
+        )
+    return layer, module, kind
+
+
+def _check_shape(
+    name: str, tensor: torch.Tensor, model: ModelConfig, module: str, kind: str
+) -> None:
+    in_features, out_features = module_shape(model, module)
+    rank = tensor.shape[0] if kind == "A" else tensor.shape[-1]
+    expected = (rank, in_features) if kind == "A" else (out_features, rank)
+    if tensor.dim() != 2 or tuple(tensor.shape) != expected:
+        raise AdapterError(
+            f"adapter tensor {name} has shape {tuple(tensor.shape)}; the base model needs "
+            f"{expected}: is the adapter for another base model?"
+        )
+
+
+def _check_ranks(a: dict, b: dict, configured: int, max_rank: int) -> int:
+    ranks = {t.shape[0] for t in a.values()} | {t.shape[0] for t in b.values()}
+    if len(ranks) != 1:
+        raise AdapterError(f"adapter mixes ranks {sorted(ranks)}; one rank per adapter")
+    rank = ranks.pop()
+    if configured and configured != rank:
+        raise AdapterError(f"adapter_config.json says r={configured}, the weights have rank {rank}")
+    if rank > max_rank:
+        raise AdapterError(f"adapter rank {rank} exceeds the configured maximum {max_rank}")
+    return rank
+
+
+def _content_hash(config: dict, weights_path: Path) -> str:
+    digest = hashlib.sha256()
+    meaning = {k: config.get(k) for k in ("r", "lora_alpha", "use_rslora")}
+    digest.update(json.dumps(meaning, sort_keys=True).encode())
+    with weights_path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,129 @@
+"""Triton batched-LoRA kernels (run by the interpreter on CPU) against the torch reference.
+
+Tolerance: float32 storage 1e-4 absolute on outputs of magnitude ~1; bfloat16 storage compares
+against the reference on the same bfloat16 inputs with 2e-2 (one bfloat16 rounding of the result).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loraplex.kernels.lora import (
+    Segments,
+    lora_expand_reference,
+    lora_expand_triton,
+    lora_shrink_reference,
+    lora_shrink_triton,
+)
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def scattered_pool(
+    rng: random.Random, ranks: list[int], in_features: int, out_features: int, dtype: torch.dtype
+):
+    """A pool in which each adapter's rows sit in pages scattered out of order."""
+    page_numel = 4 * max(in_features, out_features)
+    rows_needed = sum(ranks) * 2
+    num_pages = rows_needed + 8
+    pool = torch.randn(num_pages * page_numel).mul_(0.3).to(dtype)
+    order = list(range(num_pages))
+    rng.shuffle(order)  # pages handed out in a scrambled order, like a busy allocator
+    free_rows = iter(
+        (page * page_numel + i * max(in_features, out_features)) for page in order for i in range(2)
+    )
+    max_rank = max(ranks)
+    a_offsets = torch.zeros(len(ranks), max_rank, dtype=torch.long)
+    b_offsets = torch.zeros(len(ranks), max_rank, dtype=torch.long)
+    for slot, rank in enumerate(ranks):
+        for j in range(rank):
+            a_offsets[slot, j] = next(free_rows)
+            b_offsets[slot, j] = next(free_rows)
+    return pool, a_offsets, b_offsets
+
+
+def random_case(
+    seed: int,
+    ranks: list[int],
+    segment_lens: list[int],
+    base_rows: int,
+    dtype: torch.dtype,
+    in_features: int = 48,
+    out_features: int = 40,
+):
+    rng = random.Random(seed)
+    pool, a_offsets, b_offsets = scattered_pool(rng, ranks, in_features, out_features, dtype)
+    segments, start = [], base_rows  # the first `base_rows` tokens use no adapter
+    for length in segment_lens:
+        segments.append((start, length, rng.randrange(len(ranks))))
+        start += length
+    num_tokens = start + base_rows  # base rows at both ends
+    torch.manual_seed(seed)
+    x = torch.randn(num_tokens, in_features).to(dtype)
+    y = torch.randn(num_tokens, out_features).to(dtype)
+    ranks_t = torch.tensor(ranks, dtype=torch.int32)
+    scales = torch.tensor([rng.uniform(0.5, 2.0) for _ in ranks], dtype=torch.float32)
+    return x, y, pool, a_offsets, b_offsets, ranks_t, scales, Segments.from_lists(segments, "cpu")
+
+
+def run_both(x, y, pool, a_offsets, b_offsets, ranks, scales, segments):
+    v_ref = lora_shrink_reference(x, pool, a_offsets, ranks, segments)
+    v_tri = lora_shrink_triton(x, pool, a_offsets, ranks, segments)
+    y_ref, y_tri = y.clone(), y.clone()
+    lora_expand_reference(y_ref, v_ref, pool, b_offsets, ranks, scales, segments)
+    lora_expand_triton(y_tri, v_tri, pool, b_offsets, ranks, scales, segments)
+    return v_ref, v_tri, y_ref, y_tri
+
+
+CASES = {
+    "mixed ranks 1..64": ([1, 4, 16, 33, 64], [3, 5, 2, 1, 4], 2),
+    "empty segments": ([8, 16], [0, 4, 0, 3], 1),
+    "all base rows": ([8], [], 5),
+    "single token": ([16], [1], 0),
+    "one long segment": ([32], [37], 0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_triton_matches_reference(case, dtype):
+    ranks, lens, base_rows = CASES[case]
+    x, y, pool, a_off, b_off, ranks_t, scales, segments = random_case(
+        7, ranks, lens, base_rows, dtype
+    )
+    v_ref, v_tri, y_ref, y_tri = run_both(x, y, pool, a_off, b_off, ranks_t, scales, segments)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(v_tri, v_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(y_tri.float(), y_ref.float(), atol=tol * 4, rtol=tol)
+    # rows outside every segment are untouched
+    covered = torch.zeros(x.shape[0], dtype=torch.bool)
+    for start, length in zip(segments.starts.tolist(), segments.lens.tolist(), strict=True):
+        covered[start : start + length] = True
+    assert torch.equal(y_tri[~covered], y[~covered])
+    if covered.any():
+        assert not torch.equal(y_tri[covered], y[covered])
+
+
+def test_rank_zero_slot_leaves_its_tokens_alone():
+    x, y, pool, a_off, b_off, _, scales, segments = random_case(3, [8, 8], [4, 4], 0, torch.float32)
+    ranks = torch.tensor([0, 8], dtype=torch.int32)
+    segments = Segments.from_lists([(0, 4, 0), (4, 4, 1)], "cpu")
+    _, _, y_ref, y_tri = run_both(x, y, pool, a_off, b_off, ranks, scales, segments)
+    assert torch.equal(y_tri[:4], y[:4])
+    torch.testing.assert_close(y_tri, y_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_expand_into_a_column_slice_of_a_wider_output():
+    x, _, pool, a_off, b_off, ranks, scales, segments = random_case(
+        5, [16, 4], [3, 2], 1, torch.float32
+    )
+    fused = torch.randn(x.shape[0], 100)  # like the fused qkv output
+    ref = fused.clone()
+    v = lora_shrink_reference(x, pool, a_off, ranks, segments)
+    lora_expand_triton(fused[:, 30:70], v, pool, b_off, ranks, scales, segments)
+    lora_expand_reference(ref[:, 30:70], v, pool, b_off, ranks, scales, segments)
+    torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(fused[:, :30], ref[:, :30]) and torch.equal(fused[:, 70:], ref[:, 70:])
