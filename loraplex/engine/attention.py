@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.forward_batch import ForwardBatch, PrefillSpan
+from loraplex.engine.workspace import Workspace
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
@@ -25,20 +26,28 @@ def paged_attention(
     if batch.num_decodes:
         out[: batch.num_decodes] = _decode(q[: batch.num_decodes], kv_cache, batch, scale)
     for span in batch.prefills:
-        out[span.start : span.end] = _prefill(q[span.start : span.end], kv_cache, span, scale)
+        out[span.start : span.end] = _prefill(
+            q[span.start : span.end], kv_cache, span, scale, batch.workspace
+        )
     return out
 
 
-def _gather(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def _gather(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, workspace: Workspace
+) -> torch.Tensor:
     """[..., num_pages] page ids -> [..., num_pages * page_size, 2, num_kv_heads, head_dim]."""
-    pages = kv_cache.index_select(0, block_tables.flatten())
-    return pages.view(*block_tables.shape[:-1], -1, *kv_cache.shape[2:])
+    flat = block_tables.flatten()
+    out = workspace.take("kv_gather", (flat.shape[0], *kv_cache.shape[1:]), kv_cache.dtype)
+    torch.index_select(kv_cache, 0, flat, out=out)
+    return out.view(*block_tables.shape[:-1], -1, *kv_cache.shape[2:])
 
 
 def _decode(
     q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
-    kv = _gather(kv_cache, batch.decode_block_tables)  # [B, ctx, 2, kv_heads, head_dim]
+    kv = _gather(
+        kv_cache, batch.decode_block_tables, batch.workspace
+    )  # [B, ctx, 2, kv_heads, head_dim]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, heads, 1, head_dim]
         kv[:, :, 0].transpose(1, 2),  # [B, kv_heads, ctx, head_dim]
@@ -51,9 +60,11 @@ def _decode(
 
 
 def _prefill(
-    q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float, workspace: Workspace
 ) -> torch.Tensor:
-    kv = _gather(kv_cache, span.pages)[: span.context_len]  # [ctx, 2, kv_heads, head_dim]
+    kv = _gather(kv_cache, span.pages, workspace)[
+        : span.context_len
+    ]  # [ctx, 2, kv_heads, head_dim]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),  # [heads, q_len, head_dim]
         kv[:, 0].transpose(0, 1),  # [kv_heads, ctx, head_dim]

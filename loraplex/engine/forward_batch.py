@@ -18,6 +18,7 @@ import torch
 
 from loraplex.engine.adapters.lora_batch import KernelLoRA, TorchLoRA, build_lora_batch
 from loraplex.engine.sequence import Sequence
+from loraplex.engine.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ForwardBatch:
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
     lora: TorchLoRA | KernelLoRA | None  # None when no token uses an adapter
+    workspace: Workspace
 
     @property
     def num_tokens(self) -> int:
@@ -53,16 +55,24 @@ def _batch_order(item: tuple[Sequence, int]):
     return num_new != 1, adapter is not None, adapter.batch_order if adapter else ()
 
 
+@dataclass(frozen=True)
+class BatchSettings:
+    """What building a step's batch needs from the engine; fixed for the engine's life."""
+
+    page_size: int
+    dtype: torch.dtype
+    device: str
+    lora_backend: str
+    pool: torch.Tensor  # [num_pages, page_numel]
+    workspace: Workspace
+
+
 def build_forward_batch(
-    scheduled: list[tuple[Sequence, int]],
-    page_size: int,
-    dtype: torch.dtype,
-    device: str,
-    lora_backend: str,
-    pool: torch.Tensor,
+    scheduled: list[tuple[Sequence, int]], settings: BatchSettings
 ) -> tuple[ForwardBatch, list[Sequence]]:
     """Flatten the scheduled (sequence, num_new_tokens) pairs; also return, in row order of
     `logits_indices`, the sequences that sample a token this step."""
+    page_size, device = settings.page_size, settings.device
     ordered = sorted(scheduled, key=_batch_order)
     token_adapters = [seq.resident_adapter for seq, num_new in ordered for _ in range(num_new)]
     input_ids, positions, slot_pages, slot_offsets = [], [], [], []
@@ -83,7 +93,7 @@ def build_forward_batch(
         if first + num_new == seq.num_tokens:
             logits_indices.append(len(input_ids) - 1)
             sampling.append(seq)
-    tables, mask = _decode_tables(decodes, page_size, dtype, device)
+    tables, mask = _decode_tables(decodes, page_size, settings.dtype, device)
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -94,7 +104,10 @@ def build_forward_batch(
         decode_mask=mask,
         prefills=prefills,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-        lora=build_lora_batch(lora_backend, token_adapters, len(decodes), pool),
+        lora=build_lora_batch(
+            settings.lora_backend, token_adapters, len(decodes), settings.pool, settings.workspace
+        ),
+        workspace=settings.workspace,
     )
     return batch, sampling
 

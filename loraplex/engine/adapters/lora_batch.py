@@ -17,10 +17,13 @@ Two ways to apply them, with the same result:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from loraplex.engine.adapters.manager import ResidentAdapter
 from loraplex.engine.adapters.peft_format import MODULES
+from loraplex.engine.workspace import Workspace
 from loraplex.kernels.lora import (
     Segments,
     lora_expand_reference,
@@ -30,6 +33,7 @@ from loraplex.kernels.lora import (
 )
 
 TokenRun = tuple[int, int, ResidentAdapter]  # (start, end, adapter)
+MODULE_INDEX = {module: i for i, module in enumerate(MODULES)}
 
 
 def adapter_runs(token_adapters: list[ResidentAdapter | None]) -> list[TokenRun]:
@@ -46,60 +50,103 @@ def adapter_runs(token_adapters: list[ResidentAdapter | None]) -> list[TokenRun]
 
 
 def build_lora_batch(
-    backend: str, token_adapters: list[ResidentAdapter | None], num_decodes: int, pool: torch.Tensor
+    backend: str,
+    token_adapters: list[ResidentAdapter | None],
+    num_decodes: int,
+    pool: torch.Tensor,
+    workspace: Workspace,
 ) -> TorchLoRA | KernelLoRA | None:
     if all(adapter is None for adapter in token_adapters):
         return None
     if backend == "torch":
-        return TorchLoRA(token_adapters, num_decodes)
+        return TorchLoRA(token_adapters, num_decodes, pool, workspace)
     return KernelLoRA(token_adapters, pool, use_triton=backend == "triton")
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode tokens start..end, one per sequence, whose adapters share rank and targets."""
+
+    start: int
+    end: int
+    rank: int
+    targets: frozenset[tuple[int, str]]
+    scales: torch.Tensor  # [n, 1, 1]
+    a_rows: torch.Tensor  # [num_layers, num_modules, n * rank] pool offsets of lora_A rows
+    b_rows: torch.Tensor  # [num_layers, num_modules, n * rank] pool offsets of lora_B^T rows
+
+    @classmethod
+    def of(cls, runs: list[TokenRun]) -> DecodeGroup:
+        adapters = [adapter for _, _, adapter in runs]
+        layers, modules, rank = adapters[0].a_offsets.shape
+        return cls(
+            start=runs[0][0],
+            end=runs[-1][1],
+            rank=rank,
+            targets=adapters[0].targets,
+            scales=torch.tensor([ad.scale for ad in adapters]).view(-1, 1, 1),
+            a_rows=torch.stack([ad.a_offsets for ad in adapters], 2).view(layers, modules, -1),
+            b_rows=torch.stack([ad.b_offsets for ad in adapters], 2).view(layers, modules, -1),
+        )
+
+
 class TorchLoRA:
-    def __init__(self, token_adapters: list[ResidentAdapter | None], num_decodes: int) -> None:
+    """Decode tokens: per group, the adapters' rows are gathered from the pool in one
+    index_select (through an overlapping-window view, so rows may start anywhere) and applied with
+    batched matmuls. Multi-token runs of one adapter: plain matmuls on views of its pages."""
+
+    def __init__(
+        self,
+        token_adapters: list[ResidentAdapter | None],
+        num_decodes: int,
+        pool: torch.Tensor,
+        workspace: Workspace,
+    ) -> None:
+        self.workspace = workspace
+        self.pool = pool.view(-1)
+        self._windows: dict[int, torch.Tensor] = {}
         runs = adapter_runs(token_adapters)
-        # Single decode tokens are batched; a run of several tokens of one adapter is its own
-        # matmul.
         self.spans = [run for run in runs if run[1] - run[0] > 1 or run[0] >= num_decodes]
         singles = [run for run in runs if run[1] - run[0] == 1 and run[0] < num_decodes]
-        self.groups = _group_by_shape(singles)
+        self.groups = [DecodeGroup.of(g) for g in _split_by_shape(singles)]
 
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        key = (layer, module)
-        for start, end, adapters, scales in self.groups:
-            if key not in adapters[0].a_chunks:
+        key, m = (layer, module), MODULE_INDEX[module]
+        for g in self.groups:
+            if key not in g.targets:
                 continue
-            a = torch.stack([ad.a_matrix(layer, module) for ad in adapters])  # [n, rank, in]
-            v = torch.bmm(x[start:end].unsqueeze(1), a.transpose(1, 2)).mul_(scales)
-            b = torch.stack([ad.b_matrix(layer, module) for ad in adapters])  # [n, rank, out]
-            y[start:end].add_(torch.bmm(v, b).squeeze(1))
+            n = g.end - g.start
+            a = self._gather("lora_a", g.a_rows[layer, m], x.shape[1]).view(n, g.rank, -1)
+            v = torch.bmm(x[g.start : g.end].unsqueeze(1), a.transpose(1, 2)).mul_(g.scales)
+            b = self._gather("lora_b", g.b_rows[layer, m], y.shape[1]).view(n, g.rank, -1)
+            y[g.start : g.end].add_(torch.bmm(v, b).squeeze(1))
         for start, end, adapter in self.spans:
-            if key not in adapter.a_chunks:
+            if key not in adapter.targets:
                 continue
             v = x[start:end] @ adapter.a_matrix(layer, module).T  # [len, rank]
             y[start:end].addmm_(v, adapter.b_matrix(layer, module), alpha=adapter.scale)
 
+    def _gather(self, name: str, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """[len(rows), width]: pool rows starting at the given offsets, in a reused buffer."""
+        window = self._windows.get(width)
+        if window is None:
+            # row i of this view is pool[i : i + width]: any offset is a row
+            window = self.pool.as_strided((self.pool.numel() - width + 1, width), (1, 1))
+            self._windows[width] = window
+        out = self.workspace.take(name, (rows.shape[0], width), self.pool.dtype)
+        return torch.index_select(window, 0, rows, out=out)
 
-def _group_by_shape(singles: list[TokenRun]):
-    """Consecutive single tokens whose adapters have equal rank and modules -> one group each:
-    (start, end, adapters, scales [n, 1, 1])."""
-    groups, current = [], []
+
+def _split_by_shape(singles: list[TokenRun]) -> list[list[TokenRun]]:
+    """Consecutive single tokens whose adapters have equal rank and targets, grouped."""
+    groups: list[list[TokenRun]] = []
     for run in singles:
-        if current and (run[0] != current[-1][1] or _shape(run[2]) != _shape(current[-1][2])):
-            groups.append(current)
-            current = []
-        current.append(run)
-    if current:
-        groups.append(current)
-    return [
-        (
-            g[0][0],
-            g[-1][1],
-            [run[2] for run in g],
-            torch.tensor([run[2].scale for run in g]).view(-1, 1, 1),
-        )
-        for g in groups
-    ]
+        last = groups[-1][-1] if groups else None
+        if last and run[0] == last[1] and _shape(run[2]) == _shape(last[2]):
+            groups[-1].append(run)
+        else:
+            groups.append([run])
+    return groups
 
 
 def _shape(adapter: ResidentAdapter):
@@ -148,7 +195,7 @@ class KernelLoRA:
         )
 
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        m = MODULES.index(module)
+        m = MODULE_INDEX[module]
         if not self.active or not self.active[layer][m]:
             return
         ranks = self.ranks[layer, m]

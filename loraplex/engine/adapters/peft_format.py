@@ -238,6 +238,60 @@ def _check_ranks(a: dict, b: dict, configured: int, max_rank: int) -> int:
     return rank
 
 
+def save_peft_adapter(
+    out_dir: str | Path,
+    lora_a: dict[tuple[int, str], torch.Tensor],
+    lora_b: dict[tuple[int, str], torch.Tensor],
+    lora_alpha: float,
+    use_rslora: bool = False,
+) -> Path:
+    """Write a PEFT LoRA directory from PEFT-shaped tensors: lora_a[(layer, module)] is
+    [rank, in_features], lora_b[(layer, module)] is [out_features, rank]."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for (layer, module), a in lora_a.items():
+        block = "self_attn" if module in MODULES[:4] else "mlp"
+        prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = lora_b[(layer, module)].contiguous()
+    save_file(tensors, out / WEIGHTS_FILE)
+    rank = next(iter(lora_a.values())).shape[0]
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": lora_alpha,
+        "use_rslora": use_rslora,
+        "target_modules": sorted({m for _, m in lora_a}),
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "task_type": "CAUSAL_LM",
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return out
+
+
+def random_peft_adapter(
+    out_dir: str | Path,
+    model: ModelConfig,
+    rank: int,
+    modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    seed: int = 0,
+    std: float = 0.02,
+) -> Path:
+    """A synthetic adapter with random weights (for benchmarks and tests)."""
+    generator = torch.Generator().manual_seed(seed)
+    lora_a, lora_b = {}, {}
+    for layer in range(model.num_layers):
+        for module in modules:
+            in_features, out_features = module_shape(model, module)
+            lora_a[(layer, module)] = torch.randn(rank, in_features, generator=generator) * std
+            lora_b[(layer, module)] = torch.randn(out_features, rank, generator=generator) * std
+    return save_peft_adapter(out_dir, lora_a, lora_b, lora_alpha=2 * rank)
+
+
 def _content_hash(config: dict, weights_path: Path) -> str:
     digest = hashlib.sha256()
     meaning = {k: config.get(k) for k in ("r", "lora_alpha", "use_rslora")}
