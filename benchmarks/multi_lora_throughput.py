@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from engine_throughput import make_prompts  # noqa: I001 - sibling script
+from engine_throughput import make_prompts
 
 
 def run_engine(llm, prompts, new_tokens: int, adapters) -> float:
@@ -43,10 +42,14 @@ def run_peft_switching(model_dir: Path, adapter_dirs: list[Path], prompts, new_t
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
             model.set_adapter(f"a{i}")
-            out = model.generate(input_ids=torch.tensor([prompt]),
-                                 attention_mask=torch.ones(1, len(prompt)),
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(
+                input_ids=torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt)),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
             tokens += out.shape[1] - len(prompt)
     return tokens / (time.perf_counter() - start)
 
@@ -58,8 +61,11 @@ def cold_load_seconds(llm, adapter_dir: Path, prompt) -> float:
 
     engine = llm.engine
     start = time.perf_counter()
-    request = engine.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=1),
-                                  lora=LoRARequest("cold", str(adapter_dir)))
+    request = engine.make_request(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=1),
+        lora=LoRARequest("cold", str(adapter_dir)),
+    )
     engine.add_request(request)
     while engine.has_unfinished():
         engine.step()
@@ -67,16 +73,21 @@ def cold_load_seconds(llm, adapter_dir: Path, prompt) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="default")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--modules", default="q_proj,v_proj")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--peft-requests", type=int, default=8,
-                        help="run the PEFT baseline on the first N requests (it is ~40x slower)")
+    parser.add_argument(
+        "--peft-requests",
+        type=int,
+        default=8,
+        help="run the PEFT baseline on the first N requests (it is ~40x slower)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -91,8 +102,10 @@ def main() -> None:
     prompts = make_prompts(llm.tokenizer, args.requests, args.prompt_tokens)
     modules = tuple(args.modules.split(","))
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = [random_peft_adapter(Path(tmp) / f"a{i}", config, args.rank, modules, seed=i)
-                for i in range(args.requests + 1)]
+        dirs = [
+            random_peft_adapter(Path(tmp) / f"a{i}", config, args.rank, modules, seed=i)
+            for i in range(args.requests + 1)
+        ]
         loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs[:-1])]
         for lora in loras:
             llm.engine.load_adapter(lora)  # disk -> host -> pool before timing
@@ -102,17 +115,24 @@ def main() -> None:
         cold = cold_load_seconds(llm, dirs[-1], prompts[0])
         snapshot = llm.engine.pool_snapshot()
         del llm
-        peft = run_peft_switching(model_dir, dirs[: args.peft_requests],
-                                  prompts[: args.peft_requests], args.new_tokens)
+        peft = run_peft_switching(
+            model_dir, dirs[: args.peft_requests], prompts[: args.peft_requests], args.new_tokens
+        )
 
-    print(f"model {model_dir.name}, float32, {args.threads} threads; {args.requests} requests x "
-          f"({args.prompt_tokens} prompt + {args.new_tokens} new tokens), greedy, EOS ignored")
-    print(f"adapters: {args.requests} distinct, rank {args.rank}, on {', '.join(modules)}; "
-          f"{snapshot.adapter_pages} pool pages resident")
+    print(
+        f"model {model_dir.name}, float32, {args.threads} threads; {args.requests} requests x "
+        f"({args.prompt_tokens} prompt + {args.new_tokens} new tokens), greedy, EOS ignored"
+    )
+    print(
+        f"adapters: {args.requests} distinct, rank {args.rank}, on {', '.join(modules)}; "
+        f"{snapshot.adapter_pages} pool pages resident"
+    )
     print(f"{'loraplex, base model only':40s} {base:8.1f} tok/s")
     print(f"{'loraplex, 32 adapters in one batch':40s} {multi:8.1f} tok/s")
-    print(f"{'PEFT, switching adapter per request':40s} {peft:8.1f} tok/s "
-          f"({args.peft_requests} requests)")
+    print(
+        f"{'PEFT, switching adapter per request':40s} {peft:8.1f} tok/s "
+        f"({args.peft_requests} requests)"
+    )
     print(f"multi-LoRA / base-only: {multi / base:5.2f}x   (target >= 0.75x)")
     print(f"multi-LoRA / PEFT:      {multi / peft:5.1f}x   (target >= 15x)")
     print(f"cold load of one rank-{args.rank} adapter, disk to first token: {cold * 1e3:.0f} ms")

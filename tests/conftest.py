@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from tests.factories import build_tiny_model, build_tiny_tokenizer
+from loraplex.engine.adapters.peft_format import MODULES
+from tests.factories import build_adapter, build_tiny_model, build_tiny_tokenizer
 
 torch.set_num_threads(os.cpu_count() or 1)
 
@@ -63,3 +64,21 @@ def smollm2_dir() -> Path:
     from loraplex.engine.default_model import prepare_default_model
 
     return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tmp_path_factory, tiny_llama) -> dict[str, Path]:
+    """PEFT-made adapters on the tiny Llama: ranks 2..16, different module sets, alpha, rsLoRA."""
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    specs = {
+        "qv-r4": dict(rank=4, targets=("q_proj", "v_proj")),
+        "attn-r8": dict(rank=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"), alpha=4.0),
+        "mlp-r16": dict(rank=16, targets=("gate_proj", "up_proj", "down_proj")),
+        "all-r2": dict(rank=2, targets=MODULES, rslora=True),
+        "qkv-r8": dict(rank=8, targets=("q_proj", "k_proj", "v_proj")),
+        "o-down-r12": dict(rank=12, targets=("o_proj", "down_proj"), rslora=True),
+    }
+    return {
+        name: build_adapter(tiny_llama, root / name, seed=i, **spec)
+        for i, (name, spec) in enumerate(specs.items())
+    }
