@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int)
+    generate.add_argument("--adapter", help="a PEFT LoRA adapter directory to answer with")
     generate.add_argument(
         "--raw", action="store_true", help="send the prompt as is, without the chat template"
     )
@@ -63,7 +64,7 @@ def load_engine_config(path: Path | None, **overrides):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from loraplex.engine.engine import LLMEngine
+    from loraplex.engine.engine import LLMEngine, LoRARequest
     from loraplex.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(load_engine_config(args.config, model=args.model))
@@ -73,7 +74,8 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if not args.raw and engine.tokenizer.hf.chat_template:
         prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    engine.add_request(engine.make_request(prompt, params))
+    lora = LoRARequest(args.adapter, args.adapter) if args.adapter else None
+    engine.add_request(engine.make_request(prompt, params, lora=lora))
     while engine.has_unfinished():
         for delta in engine.step():
             sys.stdout.write(delta.outputs[0].text)

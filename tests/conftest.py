@@ -68,7 +68,7 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_adapters(tmp_path_factory, tiny_llama) -> dict[str, Path]:
-    """PEFT-made adapters on the tiny Llama: ranks 2..16, different module sets, alpha, rsLoRA."""
+    """PEFT-made adapters on the tiny Llama: ranks 1..128, different module sets, alpha, rsLoRA."""
     root = tmp_path_factory.mktemp("tiny-adapters")
     specs = {
         "qv-r4": dict(rank=4, targets=("q_proj", "v_proj")),
@@ -77,6 +77,10 @@ def tiny_adapters(tmp_path_factory, tiny_llama) -> dict[str, Path]:
         "all-r2": dict(rank=2, targets=MODULES, rslora=True),
         "qkv-r8": dict(rank=8, targets=("q_proj", "k_proj", "v_proj")),
         "o-down-r12": dict(rank=12, targets=("o_proj", "down_proj"), rslora=True),
+        "q-r1": dict(rank=1, targets=("q_proj",)),
+        # rank 128: its matrices are larger than one of the tiny model's pages, so they are
+        # split across pages
+        "kv-r128": dict(rank=128, targets=("k_proj", "v_proj", "up_proj"), std=0.02),
     }
     return {
         name: build_adapter(tiny_llama, root / name, seed=i, **spec)

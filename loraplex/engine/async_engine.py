@@ -3,22 +3,25 @@
     async for delta in engine.generate(prompt, params):
         ...
 
-Requests and aborts cross into the loop through a queue; deltas come back to each caller's event
-loop with `call_soon_threadsafe`. The engine thread is the only one touching engine state.
+Requests, aborts and adapter operations cross into the loop through a queue; deltas and results
+come back to each caller's event loop thread-safely. The engine thread is the only one touching
+engine state; reading an adapter from disk happens on a worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from loraplex.engine.adapters.manager import PoolSnapshot
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine import LLMEngine
-from loraplex.engine.outputs import Request, RequestDelta
+from loraplex.engine.engine import LLMEngine, LoRARequest
+from loraplex.engine.outputs import RequestDelta
 from loraplex.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,11 +52,18 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        """Stream the request's deltas until it finishes. Raises ValueError for bad input before
-        anything runs. Leaving the loop early (client gone) aborts the request."""
-        request = self.engine.make_request(prompt, params, request_id)
+        """Stream the request's deltas until it finishes. Raises ValueError for bad input (or an
+        unservable adapter) before anything runs. Leaving the loop early (client gone) aborts the
+        request."""
+        request = await asyncio.to_thread(
+            self.engine.make_request, prompt, params, request_id, lora
+        )
         if request.request_id in self._listeners:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         listener = _Listener(asyncio.get_running_loop(), asyncio.Queue())
@@ -74,6 +84,29 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    # -- adapters ---------------------------------------------------------------------------
+
+    async def load_adapter(self, lora: LoRARequest, pin: bool = False) -> None:
+        """Read and validate the adapter, and bring it into the pool if there is room (always,
+        when pinned). Raises AdapterError naming the problem."""
+        await asyncio.to_thread(self.engine.catalog.get, lora.adapter_id, lora.path)
+        await self._on_engine_thread(self.engine.load_adapter, lora, pin)
+
+    async def unpin_adapter(self, adapter_id: str) -> None:
+        await self._on_engine_thread(self.engine.unpin_adapter, adapter_id)
+
+    async def unload_adapter(self, adapter_id: str) -> None:
+        """Forget the adapter; requests in flight with it still finish."""
+        await self._on_engine_thread(self.engine.unload_adapter, adapter_id)
+
+    async def pool_snapshot(self) -> PoolSnapshot:
+        return await self._on_engine_thread(self.engine.pool_snapshot)
+
+    async def _on_engine_thread(self, fn: Callable, *args):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, args, future)))
+        return await asyncio.wrap_future(future)
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -105,7 +138,7 @@ class AsyncEngine:
         except queue.Empty:
             return
 
-    def _handle(self, kind: str, payload: Request | str | None) -> None:
+    def _handle(self, kind: str, payload) -> None:
         if kind == "add":
             try:
                 self.engine.add_request(payload)
@@ -113,6 +146,12 @@ class AsyncEngine:
                 self._deliver(payload.request_id, error)
         elif kind == "abort":
             self.engine.abort_request(payload)
+        elif kind == "call":
+            fn, args, future = payload
+            try:
+                future.set_result(fn(*args))
+            except Exception as error:  # handed to the caller, who raises it
+                future.set_exception(error)
 
     def _deliver(self, request_id: str, item: RequestDelta | Exception) -> None:
         listener = self._listeners.get(request_id)

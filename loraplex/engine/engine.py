@@ -131,11 +131,13 @@ class LLMEngine:
             )
         needed = self.kv.pages_for(num_prompt + max_tokens)
         adapter_pages = self.adapters.plan_pages(adapter.weights) if adapter else 0
-        if needed + adapter_pages > self.pool.num_pages:
+        pinned = self.adapters.pinned_pages(besides=adapter)
+        if needed + adapter_pages > self.pool.num_pages - pinned:
             raise ValueError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {needed} KV "
                 f"pages{f' and the adapter {adapter_pages}' if adapter else ''}; "
                 f"the pool has {self.pool.num_pages}"
+                f"{f', {pinned} of them held by pinned adapters' if pinned else ''}"
             )
         return max_tokens
 
@@ -254,8 +256,7 @@ class LLMEngine:
         self.adapters.unload(adapter_id)
 
     def pool_snapshot(self) -> PoolSnapshot:
-        kv_pages = sum(len(s.block_table) for s in self.scheduler.running)
-        return self.adapters.snapshot(kv_pages)
+        return self.adapters.snapshot(kv_pages=self.pool.num_used - self.adapters.num_pages)
 
     # -- introspection ----------------------------------------------------------------------
 

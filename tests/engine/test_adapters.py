@@ -52,7 +52,8 @@ def test_mixed_adapter_batch_matches_peft(tiny_llama, tiny_adapters, backend, re
     ]
     near_ties = assert_matches_reference([r.outputs[0].token_ids for r in results], refs)
     report(
-        f"tiny llama + 6 adapters ({backend} LoRA path): identical to PEFT, {near_ties} near-ties"
+        f"tiny llama + {len(tiny_adapters)} adapters ({backend} LoRA path): identical to PEFT, "
+        f"{near_ties} near-ties"
     )
     base_only = llm.generate(prompts[:1], params)[0].outputs[0].token_ids
     assert any(r.outputs[0].token_ids != base_only for r in results[: len(names) - 1]), (
@@ -135,18 +136,20 @@ def test_unservable_adapters_are_refused_and_the_engine_keeps_serving(
     for name, (path, _) in cases.items():
         if name != "outside roots":  # everything else lives inside the allowed root
             shutil.copytree(path, roots / name)
+    fine = roots / "fine"
+    shutil.copytree(tiny_adapters["qv-r4"], fine)
     llm = make_llm(tiny_llama, max_lora_rank=8, adapter_roots=(str(roots),))
     engine = llm.engine
+    expected = llm.generate(["the river"], GREEDY, adapters=[str(fine)])[0].outputs[0].token_ids
     for name, (path, message) in cases.items():
         where = path if name == "outside roots" else roots / name
         with pytest.raises(AdapterError) as error:
             engine.make_request("the river", GREEDY, lora=LoRARequest(name, str(where)))
         assert message in str(error.value), f"{name}: {error.value}"
-        assert engine.pool.num_free == engine.pool.num_pages, f"{name} left pages behind"
-    fine = roots / "fine"
-    shutil.copytree(tiny_adapters["qv-r4"], fine)
-    out = llm.generate(["the river"], GREEDY, adapters=[str(fine)])
-    assert len(out[0].outputs[0].token_ids) == 16
+        # nothing changed: the next request is served exactly as before
+        out = llm.generate(["the river"], GREEDY, adapters=[str(fine)])
+        assert out[0].outputs[0].token_ids == expected, name
+    assert engine.pool_snapshot().kv_pages == 0
 
 
 def test_symlink_out_of_the_roots_is_refused(tiny_llama, tiny_adapters, tmp_path):
@@ -246,3 +249,16 @@ def test_requests_with_resident_adapters_go_ahead_but_nobody_starves(tiny_llama,
     # the later requests for the resident adapter overtook the one that needed a load
     assert all(first_token_step[f"r{i}"] < first_token_step["r1"] for i in (2, 3, 4))
     assert engine.adapters.num_loads == 2  # "one" once, "two" once: no back-and-forth
+
+
+def test_request_that_only_fits_without_the_pinned_adapters_is_refused(tiny_llama, tiny_adapters):
+    llm = make_llm(tiny_llama, num_pages=40, max_model_len=512)
+    engine = llm.engine
+    engine.pin_adapter(LoRARequest("pinned", str(tiny_adapters["mlp-r16"])))
+    pinned = engine.pool_snapshot().adapter_pages
+    # 100 + max_tokens tokens need 41 - pinned pages: more than the unpinned pages, fewer than all
+    fits_only_unpinned = SamplingParams(max_tokens=16 * (41 - pinned) - 100)
+    with pytest.raises(ValueError, match=f"{pinned} of them held by pinned adapters"):
+        engine.make_request([5] * 100, fits_only_unpinned)
+    engine.unpin_adapter("pinned")
+    engine.make_request([5] * 100, fits_only_unpinned)  # fine once nothing is pinned

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from loraplex.engine.api import AsyncEngine, EngineConfig, SamplingParams
+from loraplex.engine.api import AdapterError, AsyncEngine, EngineConfig, LoRARequest, SamplingParams
 from tests.factories import make_llm
 
 PROMPTS = ["the river", "a cat sleeps", "old city light", "the king tells of a story"]
@@ -20,9 +20,9 @@ def engine(tiny_llama):
     engine.shutdown()
 
 
-async def collect(engine, prompt, params, request_id=None):
+async def collect(engine, prompt, params, request_id=None, lora=None):
     text, tokens, deltas = "", [], 0
-    async for delta in engine.generate(prompt, params, request_id):
+    async for delta in engine.generate(prompt, params, request_id, lora):
         text += delta.outputs[0].text
         tokens += delta.outputs[0].token_ids
         deltas += 1
@@ -86,3 +86,25 @@ def test_duplicate_request_id_is_refused(engine):
         return tokens
 
     assert len(asyncio.run(main())) == 50
+
+
+def test_adapters_through_the_async_api(engine, tiny_adapters, tiny_llama):
+    lora = LoRARequest("async-a", str(tiny_adapters["attn-r8"]))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        await engine.load_adapter(lora, pin=True)
+        pinned = await engine.pool_snapshot()
+        _, tokens, _, _ = await collect(engine, "the river", params, lora=lora)
+        with pytest.raises(AdapterError, match="not a directory"):
+            await engine.load_adapter(LoRARequest("nowhere", "/nonexistent/adapter"))
+        await engine.unpin_adapter("async-a")
+        await engine.unload_adapter("async-a")
+        return pinned, tokens, await engine.pool_snapshot()
+
+    pinned, tokens, after = asyncio.run(main())
+    assert [r["adapter_ids"] for r in pinned.resident] == [["async-a"]]
+    assert pinned.resident[0]["pinned"]
+    offline = make_llm(tiny_llama).generate(["the river"], params, adapters=[lora])
+    assert tokens == offline[0].outputs[0].token_ids
+    assert after.resident == [] and after.free_pages == after.num_pages

@@ -147,6 +147,7 @@ class AdapterManager:
         self.resident: dict[str, ResidentAdapter] = {}
         self._pinned_ids: set[str] = set()
         self._idle_pages = 0
+        self._pinned_pages: dict[str, int] = {}  # content hash -> pages, of pinned adapters
         self._plans: dict[str, tuple[int, list[list[Chunk]]]] = {}
         self._clock = itertools.count(1)
         self.num_loads = 0
@@ -160,8 +161,15 @@ class AdapterManager:
         return self.plan_pages(ref.weights)
 
     def plan_pages(self, weights: LoRAWeights) -> int:
-        """Pages the adapter occupies when resident."""
+        """Pages the adapter occupies when resident. Safe from any thread."""
         return self._plan(weights)[0]
+
+    def pinned_pages(self, besides: AdapterRef | None = None) -> int:
+        """Pages held by pinned adapters other than `besides`. Safe from any thread."""
+        pinned = self._pinned_pages.copy()  # one atomic copy: the engine thread may change it
+        if besides is not None:
+            pinned.pop(besides.content_hash, None)
+        return sum(pinned.values())
 
     def evictable_pages(self, keep: AdapterRef | None = None) -> int:
         kept = self.resident.get(keep.content_hash) if keep else None
@@ -273,6 +281,10 @@ class AdapterManager:
         resident.num_users += users
         if pinned is not None:
             resident.pinned = pinned
+            if pinned:
+                self._pinned_pages[resident.weights.content_hash] = len(resident.pages)
+            else:
+                self._pinned_pages.pop(resident.weights.content_hash, None)
         resident.last_used = next(self._clock)
         self._idle_pages += (self._evictable(resident) - was_idle) * len(resident.pages)
 
