@@ -8,9 +8,9 @@ decodes by adapter; a prefill span is one sequence, hence one adapter):
 
 Two ways to apply them, with the same result:
 
-* `TorchLoRA` (CPU): decode tokens of adapters that share rank and modules are stacked into one
-  batched matmul per projection; longer single-adapter segments use plain matmuls on views of the
-  adapter's pool pages.
+* `TorchLoRA` (CPU): for decode tokens whose adapters share rank and modules, each projection
+  gathers all their rows from the pool in one index_select and applies them with two batched
+  matmuls; longer single-adapter runs use plain matmuls on views of the adapter's pool pages.
 * `KernelLoRA` (CUDA: Triton; or the torch reference): the shrink/expand kernels over all segments
   in one launch each, adapters addressed through per-row pool offsets.
 """

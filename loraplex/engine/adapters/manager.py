@@ -85,9 +85,11 @@ class AdapterCatalog:
 @dataclass(eq=False)
 class ResidentAdapter:
     """An adapter's weights in pool pages, with views ready for the torch path and row offsets
-    ready for the kernels."""
+    ready for the kernels. Holds no host copy: the host cache alone bounds host memory."""
 
-    weights: LoRAWeights
+    content_hash: str
+    rank: int
+    scale: float
     pages: list[int]
     a_chunks: dict[tuple[int, str], list[tuple[int, torch.Tensor]]]  # (first row, rows view)
     b_chunks: dict[tuple[int, str], list[tuple[int, torch.Tensor]]]
@@ -102,15 +104,7 @@ class ResidentAdapter:
     def __post_init__(self) -> None:
         self.targets = frozenset(self.a_chunks)  # the (layer, module) pairs it changes
         # orders adapters of equal shape next to each other in a step's batch
-        self.batch_order = (self.rank, hash(self.targets), self.weights.content_hash)
-
-    @property
-    def rank(self) -> int:
-        return self.weights.rank
-
-    @property
-    def scale(self) -> float:
-        return self.weights.scale
+        self.batch_order = (self.rank, hash(self.targets), self.content_hash)
 
     def a_matrix(self, layer: int, module: str) -> torch.Tensor:
         """[rank, in_features]: a view of the pool unless the matrix was split across pages."""
@@ -282,9 +276,9 @@ class AdapterManager:
         if pinned is not None:
             resident.pinned = pinned
             if pinned:
-                self._pinned_pages[resident.weights.content_hash] = len(resident.pages)
+                self._pinned_pages[resident.content_hash] = len(resident.pages)
             else:
-                self._pinned_pages.pop(resident.weights.content_hash, None)
+                self._pinned_pages.pop(resident.content_hash, None)
         resident.last_used = next(self._clock)
         self._idle_pages += (self._evictable(resident) - was_idle) * len(resident.pages)
 
@@ -329,7 +323,9 @@ class AdapterManager:
             )
             has_module[layer, module_index] = True
         resident = ResidentAdapter(
-            weights=weights,
+            content_hash=weights.content_hash,
+            rank=weights.rank,
+            scale=weights.scale,
             pages=pages,
             a_chunks=chunks["a"],
             b_chunks=chunks["b"],
