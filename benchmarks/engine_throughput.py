@@ -84,18 +84,22 @@ def run_loraplex(model: str, prompts, new_tokens: int):
     return tokens / elapsed, elapsed, ttft, llm
 
 
+def hf_generate_alone(model, prompt: list[int], new_tokens: int) -> int:
+    """Greedy transformers `generate` of exactly `new_tokens` for one prompt; -> tokens made."""
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt)),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out.shape[1] - len(prompt)
+
+
 def run_hf_sequential(hf, prompts, new_tokens: int) -> float:
-    tokens, start = 0, time.perf_counter()
-    for prompt in prompts:
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt)),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        tokens += out.shape[1] - len(prompt)
+    start = time.perf_counter()
+    tokens = sum(hf_generate_alone(hf, prompt, new_tokens) for prompt in prompts)
     return tokens / (time.perf_counter() - start)
 
 

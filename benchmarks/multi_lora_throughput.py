@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from engine_throughput import make_prompts
+from engine_throughput import hf_generate_alone, make_prompts
 
 
 def run_engine(llm, prompts, new_tokens: int, adapters) -> float:
@@ -42,15 +42,7 @@ def run_peft_switching(model_dir: Path, adapter_dirs: list[Path], prompts, new_t
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
             model.set_adapter(f"a{i}")
-            out = model.generate(
-                input_ids=torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt)),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            tokens += out.shape[1] - len(prompt)
+            tokens += hf_generate_alone(model, prompt, new_tokens)
     return tokens / (time.perf_counter() - start)
 
 

@@ -87,6 +87,19 @@ def lora_expand_reference(y, v, pool, b_offsets, ranks, scales, segments: Segmen
 
 
 @triton.jit
+def _segment(seg_start_ptr, seg_len_ptr, seg_slot_ptr, ranks_ptr):
+    """This program's segment (grid axis 0): first row, length, adapter slot, rank."""
+    segment = tl.program_id(0)
+    slot = tl.load(seg_slot_ptr + segment)
+    return (
+        tl.load(seg_start_ptr + segment),
+        tl.load(seg_len_ptr + segment),
+        slot,
+        tl.load(ranks_ptr + slot),
+    )
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,
     pool_ptr,
@@ -104,11 +117,8 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    segment, m_block, r_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(seg_start_ptr + segment)
-    length = tl.load(seg_len_ptr + segment)
-    slot = tl.load(seg_slot_ptr + segment)
-    rank = tl.load(ranks_ptr + slot)
+    start, length, slot, rank = _segment(seg_start_ptr, seg_len_ptr, seg_slot_ptr, ranks_ptr)
+    m_block, r_block = tl.program_id(1), tl.program_id(2)
     if m_block * BLOCK_M >= length or r_block * BLOCK_R >= rank:
         return
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -157,11 +167,8 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    segment, m_block, n_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(seg_start_ptr + segment)
-    length = tl.load(seg_len_ptr + segment)
-    slot = tl.load(seg_slot_ptr + segment)
-    rank = tl.load(ranks_ptr + slot)
+    start, length, slot, rank = _segment(seg_start_ptr, seg_len_ptr, seg_slot_ptr, ranks_ptr)
+    m_block, n_block = tl.program_id(1), tl.program_id(2)
     if m_block * BLOCK_M >= length or rank == 0:
         return
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
