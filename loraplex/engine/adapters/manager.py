@@ -91,8 +91,9 @@ class ResidentAdapter:
     rank: int
     scale: float
     pages: list[int]
-    a_chunks: dict[tuple[int, str], list[tuple[int, torch.Tensor]]]  # (first row, rows view)
-    b_chunks: dict[tuple[int, str], list[tuple[int, torch.Tensor]]]
+    # (layer, module) -> views of the matrix's rows in the pool, in order (one unless split)
+    a_chunks: dict[tuple[int, str], list[torch.Tensor]]
+    b_chunks: dict[tuple[int, str], list[torch.Tensor]]
     a_offsets: torch.Tensor  # [num_layers, num_modules, rank] flat pool offset of each A row
     b_offsets: torch.Tensor  # [num_layers, num_modules, rank]
     has_module: torch.Tensor  # [num_layers, num_modules] bool
@@ -115,8 +116,8 @@ class ResidentAdapter:
         return _joined(self.b_chunks[(layer, module)])
 
 
-def _joined(chunks: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    return chunks[0][1] if len(chunks) == 1 else torch.cat([view for _, view in chunks])
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 @dataclass(frozen=True)
@@ -340,12 +341,13 @@ class AdapterManager:
 
     def _place(
         self, flat: torch.Tensor, pages: list[int], chunk: Chunk, tensor: torch.Tensor
-    ) -> tuple[int, torch.Tensor]:
+    ) -> torch.Tensor:
+        """Copy the chunk's rows of `tensor` into their pages; -> the view of them there."""
         width = tensor.shape[1]
         start = pages[chunk.page] * self.pool.page_numel + chunk.offset
         view = flat[start : start + chunk.num_rows * width].view(chunk.num_rows, width)
         view.copy_(tensor[chunk.first_row : chunk.first_row + chunk.num_rows])
-        return chunk.first_row, view
+        return view
 
 
 def _row_offsets(
