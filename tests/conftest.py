@@ -78,6 +78,7 @@ def tiny_adapters(tmp_path_factory, tiny_llama) -> dict[str, Path]:
         "qkv-r8": dict(rank=8, targets=("q_proj", "k_proj", "v_proj")),
         "o-down-r12": dict(rank=12, targets=("o_proj", "down_proj"), rslora=True),
         "q-r1": dict(rank=1, targets=("q_proj",)),
+        "layer1-r6": dict(rank=6, targets=("v_proj", "gate_proj"), layers=[1]),
         # rank 128: its matrices are larger than one of the tiny model's pages, so they are
         # split across pages
         "kv-r128": dict(rank=128, targets=("k_proj", "v_proj", "up_proj"), std=0.02),

@@ -141,6 +141,7 @@ def build_adapter(
     rslora: bool = False,
     seed: int = 0,
     std: float = 0.15,
+    layers: list[int] | None = None,
 ) -> Path:
     """A PEFT LoRA adapter with random A and B (PEFT's own init leaves B zero, a no-op)."""
     from peft import LoraConfig, get_peft_model
@@ -152,6 +153,7 @@ def build_adapter(
         lora_alpha=alpha or 2 * rank,
         target_modules=list(targets),
         use_rslora=rslora,
+        layers_to_transform=layers,
         lora_dropout=0.0,
     )
     model = get_peft_model(load_reference_model(base_dir), config)
