@@ -90,6 +90,7 @@ class AsyncEngine:
     async def load_adapter(self, lora: LoRARequest, pin: bool = False) -> None:
         """Read and validate the adapter, and bring it into the pool if there is room (always,
         when pinned). Raises AdapterError naming the problem."""
+        # read from disk on a worker thread; the engine thread then finds it in the host cache
         await asyncio.to_thread(self.engine.catalog.get, lora.adapter_id, lora.path)
         await self._on_engine_thread(self.engine.load_adapter, lora, pin)
 

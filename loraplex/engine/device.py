@@ -35,7 +35,6 @@ class Linear:
     """y = x W^T (+ b), with W stored however the device runs it fastest."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self._packed = None
         self.weight: torch.Tensor | None = weight

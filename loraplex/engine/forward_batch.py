@@ -44,10 +44,6 @@ class ForwardBatch:
     lora: TorchLoRA | KernelLoRA | None  # None when no token uses an adapter
     workspace: Workspace
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
 
 def _batch_order(item: tuple[Sequence, int]):
     seq, num_new = item

@@ -1,9 +1,11 @@
 """Offline batch API, in the shape vLLM users know:
 
-from loraplex import LLM, SamplingParams
-llm = LLM(model="default")
-for result in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
-    print(result.outputs[0].text)
+    from loraplex import LLM, SamplingParams
+    llm = LLM(model="default")
+    for result in llm.generate(["Hello"], SamplingParams(max_tokens=32)):
+        print(result.outputs[0].text)
+
+`chat` does the same for conversations, through the model's chat template.
 """
 
 from __future__ import annotations

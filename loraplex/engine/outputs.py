@@ -63,7 +63,6 @@ class RequestOutput:
     finished: bool = False
     arrival_time: float = 0.0
     first_token_time: float | None = None
-    finished_time: float | None = None
 
     def add(self, delta: RequestDelta) -> None:
         for part in delta.outputs:
@@ -75,8 +74,6 @@ class RequestOutput:
             out.finish_reason = part.finish_reason or out.finish_reason
         self.first_token_time = delta.first_token_time
         self.finished = delta.finished
-        if delta.finished:
-            self.finished_time = time.monotonic()
 
 
 def take_delta(request: Request, touched: list[Sequence]) -> RequestDelta:

@@ -36,10 +36,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(num_new for _, num_new in self.scheduled)
-
 
 class Scheduler:
     def __init__(
@@ -60,9 +56,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

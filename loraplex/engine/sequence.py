@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -27,9 +26,6 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the most likely tokens, best first
 
 
-_seq_ids = itertools.count()
-
-
 @dataclass(eq=False)
 class Sequence:
     """Token ids (prompt then output) and how far the model has computed them.
@@ -51,7 +47,6 @@ class Sequence:
     resident_adapter: ResidentAdapter | None = None  # set while running
     num_bypassed: int = 0  # steps in which later requests were admitted ahead of this one
     arrival_time: float = field(default_factory=time.monotonic)
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -3,6 +3,7 @@ shared pool."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -55,10 +56,13 @@ def test_mixed_adapter_batch_matches_peft(tiny_llama, tiny_adapters, backend, re
         f"tiny llama + {len(tiny_adapters)} adapters ({backend} LoRA path): identical to PEFT, "
         f"{near_ties} near-ties"
     )
-    base_only = llm.generate(prompts[:1], params)[0].outputs[0].token_ids
-    assert any(r.outputs[0].token_ids != base_only for r in results[: len(names) - 1]), (
-        "the adapters should change the output"
-    )
+    base = llm.generate(prompts, params)  # the same prompts without adapters
+    changed = [
+        r.outputs[0].token_ids != b.outputs[0].token_ids
+        for r, b, adapter in zip(results, base, adapters, strict=True)
+        if adapter is not None
+    ]
+    assert sum(changed) > len(changed) // 2, "the adapters should change most outputs"
 
 
 # -- refused adapters ------------------------------------------------------------------------
@@ -86,7 +90,7 @@ def corrupt(src, dst, how):
 def bad_adapters(tiny_llama, tiny_adapters, tmp_path):
     good = tiny_adapters["qv-r4"]
     other = ModelConfig.from_dir(tiny_llama)
-    other = other.__class__(**{**other.__dict__, "hidden_size": 48})
+    other = dataclasses.replace(other, hidden_size=48)
     return {
         "pickle": (corrupt(good, tmp_path / "pickle", "pickle"), "never unpickles"),
         "garbage": (

@@ -65,10 +65,6 @@ class LoRAWeights:
     b: dict[tuple[int, str], torch.Tensor]
 
     @property
-    def modules(self) -> frozenset[str]:
-        return frozenset(module for _, module in self.a)
-
-    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
 
