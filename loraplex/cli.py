@@ -8,6 +8,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from loraplex.engine.errors import EngineError
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu.toml"
 
 
@@ -20,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, EngineError) as error:
         print(f"loraplex: error: {error}", file=sys.stderr)
         return 2
 
@@ -80,6 +82,8 @@ def _generate(args: argparse.Namespace) -> int:
         for delta in engine.step():
             sys.stdout.write(delta.outputs[0].text)
             sys.stdout.flush()
+            if delta.error is not None:
+                raise delta.error
     sys.stdout.write("\n")
     return 0
 

@@ -164,3 +164,18 @@ def build_adapter(
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def poison_adapter(src: Path, out_dir: Path, value: float = 3e38) -> Path:
+    """A copy of the adapter that passes validation (every weight finite, a sane scale) but
+    whose lora_B entries are so large that its activations overflow to inf."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out_dir)
+    weights = out_dir / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    for name, tensor in tensors.items():
+        if "lora_B" in name:
+            tensors[name] = torch.full_like(tensor, value)
+    save_file(tensors, weights)
+    return out_dir

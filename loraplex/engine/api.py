@@ -1,26 +1,48 @@
 """The engine's public API: the only module the platform imports from `loraplex.engine`.
 
-The engine sees prompts, sampling parameters, request ids and adapter ids with their paths; it
-knows nothing of tenants or keys.
+The engine sees prompts, sampling parameters, request ids, adapter ids with their paths and an
+opaque per-request tag; it knows nothing of tenants or keys. Every exception it raises is an
+`EngineError` with a machine-readable `code` (`ErrorCode`), so a server maps it to a status
+without reading message text; `AsyncEngine`'s docstring lists which call raises which.
 """
 
-from loraplex.engine.adapters.manager import PoolSnapshot
-from loraplex.engine.adapters.peft_format import AdapterError
-from loraplex.engine.async_engine import AsyncEngine, EngineDeadError
+from loraplex.engine.adapters.manager import PoolSnapshot, ResidentInfo
+from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig, UnsupportedModelError
 from loraplex.engine.engine import LoRARequest
+from loraplex.engine.errors import (
+    AdapterError,
+    EngineDeadError,
+    EngineError,
+    EngineShutdownError,
+    ErrorCode,
+    InvalidRequestError,
+    OverloadedError,
+    RequestFailedError,
+)
+from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.outputs import RequestDelta, SequenceDelta
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import TokenLogprob
 
 __all__ = [
     "AdapterError",
+    "AdapterInfo",
     "AsyncEngine",
     "EngineConfig",
     "EngineDeadError",
+    "EngineError",
+    "EngineShutdownError",
+    "EngineStats",
+    "ErrorCode",
+    "InvalidRequestError",
     "LoRARequest",
+    "ModelInfo",
+    "OverloadedError",
     "PoolSnapshot",
     "RequestDelta",
+    "RequestFailedError",
+    "ResidentInfo",
     "SamplingParams",
     "SequenceDelta",
     "TokenLogprob",

@@ -188,6 +188,9 @@ class EngineConfig:
     adapter_roots: tuple[str, ...] | None = None  # None: any directory (offline use)
     adapter_host_cache: int | str = "1GiB"  # validated adapters kept in host memory
     lora_backend: str | None = None  # None: decided by the device (see engine/device.py)
+    # AsyncEngine: requests accepted but not yet started beyond this are refused at once with
+    # OverloadedError (None: no bound; the offline LLM never bounds)
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -201,6 +204,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if parse_size(self.memory_budget) < 1:
             raise ValueError(f"memory_budget must be positive, got {self.memory_budget!r}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(
+                f"max_waiting_requests must be >= 1 or None, got {self.max_waiting_requests}"
+            )
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if isinstance(self.adapter_roots, list):

@@ -1,19 +1,31 @@
 """Incremental detokenization with stop strings that never leak into streamed text.
 
-Text arrives token by token; `tokenizers.decoders.DecodeStream` holds back the bytes of a
-multi-byte UTF-8 character until it is complete. On top of that, the tail of the text that could
-still grow into a stop string is held back until it either becomes one (the text is cut there) or
-cannot any more (it is released).
+Each step decodes a short window of tokens twice, with and without the new ones, and emits the
+difference:
+
+    ids:   ... prompt context | out out out | new
+                ^prefix         ^read
+    emitted text = decode(ids[prefix:]) minus decode(ids[prefix:read])
+
+The context tokens give the first output token the spacing it has in the middle of a text
+(sentencepiece drops a leading space otherwise). Text that ends in an unfinished UTF-8 character
+(U+FFFD) is held back until the character completes, or the sequence ends.
+
+A character whose first bytes are the prompt's last tokens is never the completion's: the context
+stops before it, so the completion's own bytes of it decode (as U+FFFD) exactly as decoding the
+completion's tokens alone would, and no prompt text is ever echoed.
+
+On top of that, the tail of the text that could still grow into a stop string is held back until
+it either becomes one (the text is cut there) or cannot any more (it is released).
 """
 
 from __future__ import annotations
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
-# Tokens of prompt context handed to the stream so that the first generated token decodes with
-# the spacing it has in the middle of a text (sentencepiece drops a leading space otherwise).
+# Tokens of prompt context decoded with the output (see above).
 _PROMPT_CONTEXT_TOKENS = 6
+_UNFINISHED = "\ufffd"
 
 
 class IncrementalDetokenizer:
@@ -25,9 +37,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool,
     ) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(
-            ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:], skip_special_tokens=skip_special_tokens
-        )
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = self._whole_characters(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix = 0  # decoding windows start here
+        self._read = len(self._ids)  # the text of ids[prefix:read] is already accounted for
         self._stop = stop
         self.text = ""
         self._num_emitted = 0  # characters of `text` already handed out
@@ -35,7 +48,44 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> None:
         """Feed one generated token; sets `stopped` (and cuts `text`) when a stop string ends."""
-        chunk = self._stream.step(self._tokenizer, token_id)
+        self._ids.append(token_id)
+        self._append(self._decode_new(final=False))
+
+    def take_new_text(self, final: bool) -> str:
+        """Text not yet handed out, minus a tail that may still become a stop string. `final`
+        (the sequence ended) also releases an unfinished character as U+FFFD."""
+        if final and not self.stopped:
+            self._append(self._decode_new(final=True))
+        end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()
+        new = self.text[self._num_emitted : end]
+        self._num_emitted = max(self._num_emitted, end)
+        return new
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _whole_characters(self, context: list[int]) -> list[int]:
+        """The context minus trailing tokens that end inside a character."""
+        context = list(context)
+        while context and self._decode(context).endswith(_UNFINISHED):
+            context.pop()
+        return context
+
+    def _decode_new(self, final: bool) -> str:
+        if self._read == len(self._ids):
+            return ""
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if after.endswith(_UNFINISHED) and not final:
+            return ""  # wait for the rest of the character
+        if len(after) <= len(before):
+            # tokens that add no text (skipped special tokens): nothing to emit, keep the window
+            self._read = len(self._ids)
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before) :]
+
+    def _append(self, chunk: str) -> None:
         if not chunk:
             return
         search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0) + 1)
@@ -44,13 +94,6 @@ class IncrementalDetokenizer:
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True
-
-    def take_new_text(self, final: bool) -> str:
-        """Text not yet handed out, minus a tail that may still become a stop string."""
-        end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()
-        new = self.text[self._num_emitted : end]
-        self._num_emitted = max(self._num_emitted, end)
-        return new
 
     def _held_back(self) -> int:
         longest = 0

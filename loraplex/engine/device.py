@@ -17,6 +17,20 @@ import torch
 import torch.nn.functional as F
 
 LORA_BACKENDS = ("torch", "triton", "reference")
+# CPU flags meaning bfloat16 matrix products run natively (Intel AMX, AVX512-BF16 on Intel and
+# AMD); without them bfloat16 is emulated and slower than float32.
+_NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively, as the kernel reports it."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return any(flag in flags for flag in _NATIVE_BF16_FLAGS)
 
 
 def choose_lora_backend(device: str, override: str | None) -> str:

@@ -1,5 +1,6 @@
 """The synchronous engine: requests in, one step at a time, deltas out. Not thread-safe; the async
-engine drives it from a single thread."""
+engine drives it from a single thread. `make_request` and `validate_adapter` are the exceptions:
+they touch no engine-thread state, so any thread may call them (and they may read from disk)."""
 
 from __future__ import annotations
 
@@ -10,24 +11,30 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.adapters.manager import (
-    AdapterCatalog,
-    AdapterManager,
-    AdapterRef,
-    PoolSnapshot,
-)
+from loraplex.engine.adapters.catalog import AdapterCatalog, AdapterRef
+from loraplex.engine.adapters.manager import AdapterManager, PoolSnapshot
 from loraplex.engine.config import EngineConfig, ModelConfig, parse_size
 from loraplex.engine.default_model import resolve_model
 from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.errors import (
+    AdapterError,
+    EngineError,
+    ErrorCode,
+    InvalidRequestError,
+    RequestFailedError,
+)
+from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.kv_cache import KVCacheManager, kv_page_numel
 from loraplex.engine.model import CausalLM
 from loraplex.engine.outputs import Request, RequestDelta, take_delta
 from loraplex.engine.pool import PagePool
-from loraplex.engine.runner import ModelRunner, Sampled
+from loraplex.engine.prompts import prompt_token_ids
+from loraplex.engine.runner import ModelRunner, StepResult
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.sampling_params import SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.sequence import Sequence, Status
+from loraplex.engine.stats import StepCounters
 from loraplex.engine.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
@@ -47,15 +54,15 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        model_dir = resolve_model(config.model)
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_dir = resolve_model(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
-        self.tokenizer = TokenizerWrapper(model_dir)
+        self.tokenizer = TokenizerWrapper(self.model_dir)
         self.model = CausalLM(
-            self.model_config, model_dir, self.max_model_len, config.torch_dtype, config.device
+            self.model_config, self.model_dir, self.max_model_len, config.torch_dtype, config.device
         )
         self.pool = self._make_pool()
         self.kv = KVCacheManager(self.pool, self.model_config, config.page_size)
@@ -72,9 +79,10 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv, Sampler(config.seed), config)
         self.requests: dict[str, Request] = {}
+        self.counters = StepCounters()
         logger.info(
             "engine ready: %s, %d pages of %d tokens (%.1f MiB each)",
-            model_dir,
+            self.model_dir,
             self.pool.num_pages,
             config.page_size,
             self.pool.page_bytes / 2**20,
@@ -94,52 +102,83 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         lora: LoRARequest | None = None,
+        tag: object = None,
     ) -> Request:
-        """Tokenize, read the adapter (from the host cache or disk) and validate; raises
-        ValueError naming the problem. Touches no engine-thread state, so any thread may call
-        it."""
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        """Tokenize, read the adapter (from the host cache or disk) and validate. Raises
+        InvalidRequestError (AdapterError for the adapter) naming the problem."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        self._check_token_params(params)
         adapter = self.catalog.get(lora.adapter_id, lora.path) if lora else None
-        max_tokens = self._check_lengths(token_ids, params, adapter)
+        max_tokens = self._check_lengths(len(token_ids), params)
+        num_kv_pages = self.kv.pages_for(len(token_ids) + max_tokens)
+        num_pages_needed = num_kv_pages + (
+            self.adapters.plan_pages(adapter.weights) if adapter else 0
+        )
+        self._check_fits_pool(num_pages_needed, adapter, len(token_ids), max_tokens)
         request_id = request_id or uuid.uuid4().hex
         seqs = [
             self._make_sequence(request_id, i, token_ids, params, max_tokens, adapter)
             for i in range(params.n)
         ]
-        return Request(request_id, text, token_ids, seqs)
+        return Request(request_id, text, token_ids, seqs, num_pages_needed, tag)
 
-    def _check_lengths(
-        self, token_ids: list[int], params: SamplingParams, adapter: AdapterRef | None
-    ) -> int:
-        num_prompt, context = len(token_ids), self.max_model_len
-        if num_prompt == 0:
-            raise ValueError("prompt is empty")
+    def _check_token_params(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias or ())),
+        ):
+            if any(t >= vocab for t in ids):
+                raise InvalidRequestError(
+                    f"{name} must hold token ids in [0, {vocab}), got {max(ids)}", param=name
+                )
+
+    def _check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
+        """-> max_tokens for this prompt."""
+        context = self.max_model_len
         if num_prompt >= context:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt has {num_prompt} tokens; the model's context is {context} tokens, "
-                "which must leave room for at least one generated token"
+                "which must leave room for at least one generated token",
+                code=ErrorCode.PROMPT_TOO_LONG,
+                param="prompt",
             )
         max_tokens = params.max_tokens or context - num_prompt
         if num_prompt + max_tokens > context:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"max_tokens must be in [1, {context - num_prompt}] for this prompt "
-                f"({num_prompt} tokens, context {context}), got {max_tokens}"
-            )
-        needed = self.kv.pages_for(num_prompt + max_tokens)
-        adapter_pages = self.adapters.plan_pages(adapter.weights) if adapter else 0
-        pinned = self.adapters.pinned_pages(besides=adapter)
-        if needed + adapter_pages > self.pool.num_pages - pinned:
-            raise ValueError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {needed} KV "
-                f"pages{f' and the adapter {adapter_pages}' if adapter else ''}; "
-                f"the pool has {self.pool.num_pages}"
-                f"{f', {pinned} of them held by pinned adapters' if pinned else ''}"
+                f"({num_prompt} tokens, context {context}), got {max_tokens}",
+                code=ErrorCode.PROMPT_TOO_LONG,
+                param="max_tokens",
             )
         return max_tokens
+
+    def _check_fits_pool(
+        self,
+        num_pages_needed: int,
+        adapter: AdapterRef | None,
+        num_prompt: int | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
+        """A sequence must fit the pool with every other sequence preempted and every idle
+        adapter evicted: the pool minus the pinned adapters (its own adapter aside)."""
+        pinned = self.adapters.pinned_pages(besides=adapter)
+        if num_pages_needed <= self.pool.num_pages - pinned:
+            return
+        what = (
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens})"
+            if num_prompt is not None
+            else "the request"
+        )
+        raise InvalidRequestError(
+            f"{what} needs {num_pages_needed} pages of KV{' and adapter' if adapter else ''}; "
+            f"the pool has {self.pool.num_pages}"
+            f"{f', {pinned} of them held by pinned adapters' if pinned else ''}",
+            code=ErrorCode.EXCEEDS_POOL,
+            param="max_tokens",
+        )
 
     def _make_sequence(
         self,
@@ -170,8 +209,13 @@ class LLMEngine:
         )
 
     def add_request(self, request: Request) -> None:
+        """Queue a request made by `make_request`. Raises InvalidRequestError if its id is in
+        flight, or if adapters pinned since it was made leave the pool too small for it."""
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in flight")
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in flight", param="request_id"
+            )
+        self._check_fits_pool(request.num_pages_needed, request.seqs[0].adapter)
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -180,11 +224,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        live = [seq for seq in request.seqs if not seq.is_finished]
-        self.scheduler.abort(live)
-        for seq in live:
-            seq.finish_reason = "abort"
-        return take_delta(request, live)
+        return self._end(request, "abort")
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -192,18 +232,20 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        started = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
-        deltas = self._process(sampled)
+        result = self.runner.execute(out)
+        deltas = self._process(result)
         self.scheduler.update(out)
+        self._count(out, result, time.perf_counter() - started)
         return deltas
 
-    def _process(self, sampled: Sampled) -> list[RequestDelta]:
+    def _process(self, result: StepResult) -> list[RequestDelta]:
         now = time.monotonic()
         touched: dict[str, list[Sequence]] = {}
-        for seq, token, logprob in sampled:
+        for seq, token, logprob in result.sampled:
             seq.token_ids.append(token)
             seq.first_token_time = seq.first_token_time or now
             if logprob is not None:
@@ -212,9 +254,11 @@ class LLMEngine:
             if seq.finish_reason:
                 seq.status = Status.FINISHED
             touched.setdefault(seq.request_id, []).append(seq)
-        deltas = []
+        deltas = [self._fail(seq) for seq in result.failed if seq.request_id in self.requests]
         for request_id, seqs in touched.items():
-            request = self.requests[request_id]
+            request = self.requests.get(request_id)
+            if request is None:  # failed in this very step
+                continue
             deltas.append(take_delta(request, seqs))
             if request.is_finished:
                 del self.requests[request_id]
@@ -233,16 +277,66 @@ class LLMEngine:
             return "length"
         return None
 
+    def _fail(self, seq: Sequence) -> RequestDelta:
+        """The request of `seq` fails, alone; its pages go back to the pool wiped."""
+        request = self.requests.pop(seq.request_id)
+        adapter = f" with adapter {seq.adapter.adapter_id}" if seq.adapter else ""
+        request.error = RequestFailedError(
+            f"the model's output for this request{adapter} became NaN or infinite after "
+            f"{seq.num_output_tokens} tokens; nothing else was affected"
+        )
+        logger.warning("request %s failed: non-finite logits%s", request.request_id, adapter)
+        self.counters.num_failed_requests += 1
+        return self._end(request, "error")
+
+    def _end(self, request: Request, reason: str) -> RequestDelta:
+        live = [seq for seq in request.seqs if not seq.is_finished]
+        self.scheduler.abort(live)
+        for seq in live:
+            seq.finish_reason = reason
+        return take_delta(request, live)
+
+    def _count(self, out: SchedulerOutput, result: StepResult, seconds: float) -> None:
+        c = self.counters
+        c.num_steps += 1
+        c.step_seconds += seconds
+        c.last_step_seconds = seconds
+        c.last_batch_size = len(out.scheduled)
+        c.last_batch_tokens = sum(item.num_new for item in out.scheduled)
+        c.num_computed_tokens += c.last_batch_tokens
+        c.num_generated_tokens += len(result.sampled)
+
     # -- adapters ---------------------------------------------------------------------------
 
     def load_adapter(self, lora: LoRARequest, pin: bool = False) -> None:
         """Read and validate the adapter, and bring it into the pool now if there is room (or
-        always, when pinned). Raises AdapterError (a ValueError) naming the problem."""
-        ref = self.catalog.get(lora.adapter_id, lora.path)
+        always, when pinned). Raises AdapterError naming the problem."""
+        self.load_adapter_ref(self.catalog.get(lora.adapter_id, lora.path), pin)
+
+    def load_adapter_ref(self, ref: AdapterRef, pin: bool = False) -> None:
+        """`load_adapter` for an adapter already read (no disk access: the engine thread's)."""
         if pin:
+            self._check_pin_leaves_room(ref)
             self.adapters.pin(ref)
         else:
             self.adapters.preload(ref)
+
+    def _check_pin_leaves_room(self, ref: AdapterRef) -> None:
+        """Pinning must not shrink the pool below what a request in flight was promised."""
+        pinned_after = self.adapters.pinned_pages(besides=ref) + self.adapters.plan_pages(
+            ref.weights
+        )
+        for request in self.requests.values():
+            own = request.seqs[0].adapter
+            if own is not None and own.content_hash == ref.content_hash:
+                continue  # pinning its own adapter takes nothing from it
+            if request.num_pages_needed + pinned_after > self.pool.num_pages:
+                raise AdapterError(
+                    f"pinning adapter {ref.adapter_id} ({self.adapters.plan_pages(ref.weights)} "
+                    f"pages) would leave {self.pool.num_pages - pinned_after} unpinned pages; "
+                    f"a request in flight needs {request.num_pages_needed}",
+                    code=ErrorCode.ADAPTER_TOO_LARGE,
+                )
 
     def pin_adapter(self, lora: LoRARequest) -> None:
         self.load_adapter(lora, pin=True)
@@ -251,15 +345,68 @@ class LLMEngine:
         self.adapters.unpin(adapter_id)
 
     def unload_adapter(self, adapter_id: str) -> None:
-        """Forget the adapter. Requests already in flight with it still finish."""
+        """Forget the adapter. Requests already in flight with it still finish, and then its
+        pages go: they no longer name it."""
         self.catalog.forget(adapter_id)
         self.adapters.unload(adapter_id)
+        for seq in self.scheduler.sequences():
+            if seq.adapter is not None and seq.adapter.adapter_id == adapter_id:
+                seq.adapter = seq.adapter.retired()
+
+    def validate_adapter(self, lora: LoRARequest) -> AdapterInfo:
+        """Read and check the adapter, changing nothing (not the pool, not the host cache).
+        Raises AdapterError. Any thread."""
+        weights = self.catalog.read(lora.path)
+        num_pages = self.adapters.plan_pages(weights)
+        if num_pages > self.pool.num_pages - self.adapters.pinned_pages():
+            raise AdapterError(
+                f"adapter {lora.adapter_id} needs {num_pages} pages; the pool has "
+                f"{self.pool.num_pages}, {self.adapters.pinned_pages()} of them pinned",
+                code=ErrorCode.ADAPTER_TOO_LARGE,
+            )
+        return AdapterInfo(
+            rank=weights.rank,
+            target_modules=tuple(sorted({module for _, module in weights.a})),
+            num_layers=len({layer for layer, _ in weights.a}),
+            scale=weights.scale,
+            nbytes=weights.nbytes,
+            num_pages=num_pages,
+            content_hash=weights.content_hash,
+        )
 
     def pool_snapshot(self) -> PoolSnapshot:
         return self.adapters.snapshot(kv_pages=self.pool.num_used - self.adapters.num_pages)
 
     # -- introspection ----------------------------------------------------------------------
 
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            model=str(self.model_dir),
+            architecture=self.model_config.architecture,
+            dtype=self.config.dtype,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.model_config.eos_token_ids,
+            has_chat_template=bool(self.tokenizer.hf.chat_template),
+            max_lora_rank=self.config.max_lora_rank,
+            num_pages=self.pool.num_pages,
+            page_size=self.config.page_size,
+        )
+
+    def stats(self) -> EngineStats:
+        running = {seq.request_id for seq in self.scheduler.running}
+        return self.counters.snapshot(
+            num_running_requests=len(running),
+            num_waiting_requests=len(self.requests) - len(running),
+            num_preemptions=self.scheduler.num_preemptions,
+            adapters=self.adapters,
+            catalog=self.catalog,
+            pool=self.pool,
+        )
+
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+
+__all__ = ["EngineError", "LLMEngine", "LoRARequest"]

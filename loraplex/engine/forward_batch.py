@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.adapters.lora_batch import KernelLoRA, TorchLoRA, build_lora_batch
+from loraplex.engine.scheduler import Scheduled
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.workspace import Workspace
 
@@ -45,10 +46,9 @@ class ForwardBatch:
     workspace: Workspace
 
 
-def _batch_order(item: tuple[Sequence, int]):
-    seq, num_new = item
-    adapter = seq.resident_adapter
-    return num_new != 1, adapter is not None, adapter.batch_order if adapter else ()
+def _batch_order(item: Scheduled):
+    adapter = item.adapter
+    return item.num_new != 1, adapter is not None, adapter.batch_order if adapter else ()
 
 
 @dataclass(frozen=True)
@@ -64,17 +64,18 @@ class BatchSettings:
 
 
 def build_forward_batch(
-    scheduled: list[tuple[Sequence, int]], settings: BatchSettings
+    scheduled: list[Scheduled], settings: BatchSettings
 ) -> tuple[ForwardBatch, list[Sequence]]:
-    """Flatten the scheduled (sequence, num_new_tokens) pairs; also return, in row order of
+    """Flatten the scheduled sequences' new tokens; also return, in row order of
     `logits_indices`, the sequences that sample a token this step."""
     page_size, device = settings.page_size, settings.device
     ordered = sorted(scheduled, key=_batch_order)
-    token_adapters = [seq.resident_adapter for seq, num_new in ordered for _ in range(num_new)]
+    token_adapters = [item.adapter for item in ordered for _ in range(item.num_new)]
     input_ids, positions, slot_pages, slot_offsets = [], [], [], []
     logits_indices, sampling = [], []
     decodes, prefills = [], []
-    for seq, num_new in ordered:
+    for item in ordered:
+        seq, num_new = item.seq, item.num_new
         start = len(input_ids)
         first = seq.num_computed_tokens
         span = range(first, first + num_new)
@@ -130,9 +131,10 @@ def _decode_tables(decodes: list[Sequence], page_size: int, dtype: torch.dtype, 
         return None, None
     context_lens = [seq.num_computed_tokens + 1 for seq in decodes]
     max_pages = -(-max(context_lens) // page_size)
-    # Pad short tables with page 0: those columns are masked out below.
+    # Pad short tables with the sequence's own last page: those columns are masked out below,
+    # and a sequence never reads another's memory, whatever that holds.
     rows = [
-        seq.block_table[:max_pages] + [0] * (max_pages - len(seq.block_table[:max_pages]))
+        seq.block_table[:max_pages] + seq.block_table[-1:] * (max_pages - len(seq.block_table))
         for seq in decodes
     ]
     tables = torch.tensor(rows, dtype=torch.long, device=device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from loraplex.engine.errors import EngineError
 from loraplex.engine.sequence import Sequence, Status, TokenLogprob
 
 
@@ -14,7 +15,10 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    num_pages_needed: int  # by one of its sequences at its longest, its adapter included
+    tag: object = None  # the caller's, handed back with every delta
     arrival_time: float = field(default_factory=time.monotonic)
+    error: EngineError | None = None  # why it failed, if it did
 
     @property
     def is_finished(self) -> bool:
@@ -30,7 +34,7 @@ class SequenceDelta:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class RequestDelta:
     num_prompt_tokens: int
     arrival_time: float
     first_token_time: float | None
+    tag: object = None
+    error: EngineError | None = None  # set on the last delta of a request that failed
 
 
 @dataclass
@@ -63,6 +69,7 @@ class RequestOutput:
     finished: bool = False
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    error: EngineError | None = None
 
     def add(self, delta: RequestDelta) -> None:
         for part in delta.outputs:
@@ -74,6 +81,7 @@ class RequestOutput:
             out.finish_reason = part.finish_reason or out.finish_reason
         self.first_token_time = delta.first_token_time
         self.finished = delta.finished
+        self.error = delta.error or self.error
 
 
 def take_delta(request: Request, touched: list[Sequence]) -> RequestDelta:
@@ -87,6 +95,8 @@ def take_delta(request: Request, touched: list[Sequence]) -> RequestDelta:
         num_prompt_tokens=len(request.prompt_token_ids),
         arrival_time=request.arrival_time,
         first_token_time=min(first_times, default=None),
+        tag=request.tag,
+        error=request.error,
     )
 
 

@@ -5,7 +5,9 @@
             KV      adapter  KV       <- the pool never knows which
 
 Owners (the KV cache manager, the adapter manager) ask for page ids and give them back; each
-views the rows it owns in its own layout. The pool only counts.
+views the rows it owns in its own layout. The pool counts, and wipes what comes back: a page is
+handed out holding zeros, so what an owner left in it (say, the NaN keys of a request that
+failed) can never reach the next owner, even through slots the next owner only masks.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 class PagePool:
     """Free-list allocator over `num_pages` pages of `page_numel` elements each.
 
-    Invariant: every page id in [0, num_pages) is either in the free list or held by exactly one
-    owner; `num_free + num_used == num_pages` at all times.
+    Invariants: every page id in [0, num_pages) is either in the free list or held by exactly
+    one owner; `num_free + num_used == num_pages` at all times; a free page holds only zeros.
     """
 
     def __init__(self, num_pages: int, page_numel: int, dtype: torch.dtype, device: str) -> None:
@@ -52,4 +54,8 @@ class PagePool:
         return taken[::-1]
 
     def free(self, pages: list[int]) -> None:
+        if pages:
+            # one write per page, proportional to what was used: far cheaper than masking every
+            # stale slot on every read (benchmarks/page_scrub_cost.py measures it)
+            self.data.index_fill_(0, torch.tensor(pages, device=self.data.device), 0)
         self._free.extend(reversed(pages))

@@ -1,6 +1,15 @@
-"""Runs one scheduled step: flatten, forward, sample."""
+"""Runs one scheduled step: flatten, forward, sample.
+
+A sequence whose logits are not all finite (an adapter that overflows, say) samples nothing: it
+is reported as failed, so that its request fails alone, and the rest of the batch, whose rows
+never mix with its rows, goes on.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
 
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.device import choose_lora_backend
@@ -12,7 +21,11 @@ from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence, TokenLogprob
 from loraplex.engine.workspace import Workspace
 
-Sampled = list[tuple[Sequence, int, TokenLogprob | None]]
+
+@dataclass
+class StepResult:
+    sampled: list[tuple[Sequence, int, TokenLogprob | None]] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # their logits were not finite
 
 
 class ModelRunner:
@@ -31,13 +44,25 @@ class ModelRunner:
             workspace=Workspace(config.device),
         )
 
-    def execute(self, out: SchedulerOutput) -> Sampled:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         """-> (sequence, new token, its logprobs) for each sequence that completed its tokens."""
         batch, sampling = build_forward_batch(out.scheduled, self.settings)
         hidden = self.model.forward(batch, self.kv)
         if not sampling:
-            return []
-        picked = self.sampler(self.model.logits(hidden), sampling)
-        return [
-            (seq, token, logprob) for seq, (token, logprob) in zip(sampling, picked, strict=True)
-        ]
+            return StepResult()
+        logits = self.model.logits(hidden)  # [num_sampling, vocab] float32
+        finite = torch.isfinite(logits).all(dim=-1)
+        result = StepResult()
+        if not bool(finite.all()):
+            result.failed = [
+                seq for seq, ok in zip(sampling, finite.tolist(), strict=True) if not ok
+            ]
+            sampling = [seq for seq, ok in zip(sampling, finite.tolist(), strict=True) if ok]
+            logits = logits[finite]
+        if sampling:
+            picked = self.sampler(logits, sampling)
+            result.sampled = [
+                (seq, token, logprob)
+                for seq, (token, logprob) in zip(sampling, picked, strict=True)
+            ]
+        return result

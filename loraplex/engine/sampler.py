@@ -1,9 +1,9 @@
 """Turns a step's logits into one token per sampling sequence.
 
-Order, as OpenAI and vLLM apply it: frequency/presence penalties on the raw logits, then greedy
-argmax, or temperature -> top-k -> top-p -> a draw from the sequence's own generator (so a seeded
-request draws the same numbers whatever else shares the batch). Log-probabilities are those of the
-model's raw distribution.
+Order, as OpenAI and vLLM apply it: frequency/presence penalties on the raw logits, then the
+logit bias, then greedy argmax, or temperature -> top-k -> top-p -> a draw from the sequence's
+own generator (so a seeded request draws the same numbers whatever else shares the batch).
+Log-probabilities are those of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(seq.params.has_penalties for seq in seqs):
             logits = _apply_penalties(logits, seqs)
+        if any(seq.params.logit_bias for seq in seqs):
+            logits = _apply_logit_bias(logits, seqs)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if random_rows:
@@ -70,6 +72,16 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     frequency = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
     presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
     return logits - frequency * counts - presence * (counts > 0).float()
+
+
+def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    logits = logits.clone()
+    for row, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long)
+            logits[row].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype))
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -20,16 +20,25 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from loraplex.engine.adapters.manager import AdapterManager
+from loraplex.engine.adapters.manager import AdapterManager, ResidentAdapter
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.sequence import Sequence, Status
 
 MAX_BYPASS_STEPS = 16
 
 
+@dataclass(frozen=True)
+class Scheduled:
+    """One sequence's share of a step: its next `num_new` tokens, with its resident adapter."""
+
+    seq: Sequence
+    num_new: int
+    adapter: ResidentAdapter | None
+
+
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
+    scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -57,6 +66,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
@@ -68,18 +85,24 @@ class Scheduler:
 
     def _pages_needed(self, seq: Sequence, num_new: int) -> int:
         kv = self.kv.num_missing_pages(seq.block_table, seq.num_computed_tokens + num_new)
-        return kv + (0 if seq.resident_adapter else self.adapters.pages_to_load(seq.adapter))
+        return kv + (0 if seq.holds_adapter else self.adapters.pages_to_load(seq.adapter))
 
     def _fits(self, seq: Sequence, num_new: int) -> bool:
         available = self.pool.num_free + self.adapters.evictable_pages(keep=seq.adapter)
         return self._pages_needed(seq, num_new) <= available
 
-    def _reserve(self, seq: Sequence, num_new: int) -> None:
+    def _reserve(self, seq: Sequence, num_new: int) -> Scheduled:
         """Take the pages `seq` needs for `num_new` more tokens (it must fit)."""
         self.adapters.free_up(self._pages_needed(seq, num_new), keep=seq.adapter)
-        if seq.adapter is not None and seq.resident_adapter is None:
-            seq.resident_adapter = self.adapters.acquire(seq.adapter)
+        adapter = None
+        if seq.adapter is not None:
+            if seq.holds_adapter:
+                adapter = self.adapters.resident[seq.adapter.content_hash]
+            else:
+                adapter = self.adapters.acquire(seq.adapter)
+                seq.holds_adapter = True
         self.kv.grow(seq.block_table, seq.num_computed_tokens + num_new)
+        return Scheduled(seq, num_new, adapter)
 
     # -- running ---------------------------------------------------------------------------
 
@@ -90,8 +113,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, num_new, out):
                 break  # seq itself was preempted; it was the last running one
-            self._reserve(seq, num_new)
-            out.scheduled.append((seq, num_new))
+            out.scheduled.append(self._reserve(seq, num_new))
             budget -= num_new
             i += 1
         return budget
@@ -115,9 +137,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.kv.release(seq.block_table)
-        if seq.resident_adapter is not None:
+        if seq.holds_adapter:
             self.adapters.release(seq.adapter)
-            seq.resident_adapter = None
+            seq.holds_adapter = False
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -146,18 +168,17 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        self._reserve(seq, num_new)
+        out.scheduled.append(self._reserve(seq, num_new))
         seq.status = Status.RUNNING
         self.running.append(seq)
-        out.scheduled.append((seq, num_new))
 
     # -- after the step --------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the step ran; drop finished sequences."""
-        for seq, num_new in out.scheduled:
-            seq.num_computed_tokens += num_new
-        if any(seq.is_finished for seq, _ in out.scheduled):
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new
+        if any(item.seq.is_finished for item in out.scheduled):
             still_running = []
             for seq in self.running:
                 if seq.is_finished:
@@ -165,6 +186,11 @@ class Scheduler:
                 else:
                     still_running.append(seq)
             self.running = still_running
+
+    def sequences(self):
+        """Every sequence the scheduler holds, waiting or running."""
+        yield from self.waiting
+        yield from self.running
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Remove these sequences wherever they are and free their pages."""

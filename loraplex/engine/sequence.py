@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.engine.adapters.manager import AdapterRef, ResidentAdapter
+from loraplex.engine.adapters.catalog import AdapterRef
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.sampling_params import SamplingParams
 
@@ -44,7 +44,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     adapter: AdapterRef | None = None
-    resident_adapter: ResidentAdapter | None = None  # set while running
+    holds_adapter: bool = False  # counted as a user of its resident adapter (while running)
     num_bypassed: int = 0  # steps in which later requests were admitted ahead of this one
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING

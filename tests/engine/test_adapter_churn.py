@@ -76,7 +76,7 @@ def test_churn_through_a_small_pool_matches_each_request_run_alone(
     # the pool is back where it started: no KV, no user on any adapter, and once the adapters
     # are forgotten, every page is free
     snapshot = engine.pool_snapshot()
-    assert snapshot.kv_pages == 0 and all(r["running_requests"] == 0 for r in snapshot.resident)
+    assert snapshot.kv_pages == 0 and all(r.running_requests == 0 for r in snapshot.resident)
     for lora in many_adapters:
         engine.unload_adapter(lora.adapter_id)
     assert engine.pool.num_free == engine.pool.num_pages

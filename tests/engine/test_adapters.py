@@ -10,8 +10,9 @@ import pytest
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from loraplex import LoRARequest, SamplingParams
-from loraplex.engine.adapters.peft_format import AdapterError, random_peft_adapter
+from loraplex.engine.adapters.peft_format import random_peft_adapter
 from loraplex.engine.config import ModelConfig
+from loraplex.engine.errors import AdapterError
 from tests.factories import make_llm
 from tests.oracle import (
     assert_matches_reference,
@@ -176,20 +177,20 @@ def test_load_pin_unpin_unload_and_snapshot(tiny_llama, tiny_adapters):
     engine.load_adapter(a)
     engine.pin_adapter(b)
     snap = engine.pool_snapshot()
-    assert {tuple(r["adapter_ids"]) for r in snap.resident} == {("a",), ("b",)}
+    assert {tuple(r.adapter_ids) for r in snap.resident} == {("a",), ("b",)}
     assert snap.kv_pages == 0 and snap.adapter_pages + snap.free_pages == snap.num_pages
-    pinned = {r["adapter_ids"][0]: r["pinned"] for r in snap.resident}
+    pinned = {r.adapter_ids[0]: r.pinned for r in snap.resident}
     assert pinned == {"a": False, "b": True}
 
     # fill the pool with KV: the idle adapter goes, the pinned one stays
     llm.generate([[5] * 300], SamplingParams(max_tokens=200, ignore_eos=True))
-    resident = {r["adapter_ids"][0] for r in engine.pool_snapshot().resident}
+    resident = {r.adapter_ids[0] for r in engine.pool_snapshot().resident}
     assert resident == {"b"}
 
     engine.unpin_adapter("b")
     engine.unload_adapter("b")
     snap = engine.pool_snapshot()
-    assert snap.resident == [] and snap.free_pages == snap.num_pages
+    assert snap.resident == () and snap.free_pages == snap.num_pages
 
 
 def test_unloading_an_adapter_lets_its_running_request_finish(tiny_llama, tiny_adapters):
@@ -207,7 +208,7 @@ def test_unloading_an_adapter_lets_its_running_request_finish(tiny_llama, tiny_a
         for delta in engine.step():
             tokens += delta.outputs[0].token_ids
     assert len(tokens) == 16 - 2
-    assert engine.pool_snapshot().resident == []
+    assert engine.pool_snapshot().resident == ()
     assert engine.pool.num_free == engine.pool.num_pages
     assert expected[2:] == tokens
 

@@ -11,18 +11,18 @@ from tests.factories import make_llm
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"temperature": -0.5}, "temperature must be in [0, inf)"),
-        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
-        ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"temperature": -0.5}, "temperature must be a number in [0, inf)"),
+        ({"top_p": 0.0}, "top_p must be a number in (0, 1]"),
+        ({"top_p": 1.5}, "top_p must be a number in (0, 1]"),
         ({"n": 0}, "n must be an integer in [1, 64]"),
         ({"top_k": 0}, "top_k must be an integer >= 1"),
-        ({"frequency_penalty": 3.0}, "frequency_penalty must be in [-2, 2]"),
-        ({"presence_penalty": -2.5}, "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty must be a number in [-2, 2]"),
+        ({"presence_penalty": -2.5}, "presence_penalty must be a number in [-2, 2]"),
         ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
         ({"logprobs": 21}, "logprobs must be an integer in [0, 20]"),
         ({"stop": [f"s{i}" for i in range(17)]}, "stop allows at most 16 strings, got 17"),
-        ({"stop": [""]}, "stop strings must be non-empty"),
-        ({"temperature": float("nan")}, "temperature must be in [0, inf)"),
+        ({"stop": [""]}, "stop must be a non-empty string or a list of them"),
+        ({"temperature": float("nan")}, "temperature must be a number in [0, inf)"),
     ],
 )
 def test_invalid_sampling_values_name_the_field_and_range(options, message):
@@ -48,7 +48,7 @@ def test_max_tokens_past_the_context_is_refused(llm):
 
 def test_request_larger_than_the_pool_is_refused(tiny_llama):
     small = make_llm(tiny_llama, num_pages=2, max_model_len=128)
-    with pytest.raises(ValueError, match=r"needs 4 KV pages; the pool has 2"):
+    with pytest.raises(ValueError, match=r"needs 4 pages of KV; the pool has 2"):
         small.engine.make_request([5] * 40, SamplingParams(max_tokens=20))
 
 

@@ -1,91 +1,36 @@
-"""Adapters on their way disk -> host cache -> pool pages, and back out again.
+"""Which adapters are resident in the page pool, who uses them, and which are pinned. Engine
+thread only (but for `pinned_pages` and `plan_pages`, which any thread may call).
 
-Two halves with different threads:
-
-* `AdapterCatalog` (any thread, locked): adapter id -> path -> validated host copy, kept in a
-  byte-bounded LRU. A sequence holds its adapter's host copy for as long as it lives, so a host
-  eviction never strands a request.
-* `AdapterManager` (engine thread only): which adapters are resident in the page pool, keyed by
-  content hash; how many running sequences use each; which are pinned. Idle, unpinned adapters are
-  evicted least recently used first, and only when the pool needs their pages.
+An adapter is resident once, keyed by its content hash, whatever ids name it. Idle adapters (no
+running user, not pinned) stay resident as a cache and are evicted least recently used first,
+only when the pool needs their pages.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
-from collections import OrderedDict
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.engine.adapters.catalog import AdapterRef
 from loraplex.engine.adapters.layout import Chunk, plan
-from loraplex.engine.adapters.peft_format import (
-    MODULES,
-    AdapterError,
-    LoRAWeights,
-    load_peft_adapter,
-)
+from loraplex.engine.adapters.peft_format import MODULES, LoRAWeights
 from loraplex.engine.config import ModelConfig
+from loraplex.engine.errors import AdapterError, ErrorCode
 from loraplex.engine.pool import PagePool
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """What a sequence carries: the adapter's id and its validated host copy."""
-
-    adapter_id: str
-    weights: LoRAWeights
-
-    @property
-    def content_hash(self) -> str:
-        return self.weights.content_hash
-
-
-class AdapterCatalog:
-    def __init__(
-        self,
-        model: ModelConfig,
-        dtype: torch.dtype,
-        max_rank: int,
-        roots: tuple[str, ...] | None,
-        host_cache_bytes: int,
-    ) -> None:
-        self._model, self._dtype = model, dtype
-        self.max_rank, self.roots = max_rank, roots
-        self._budget = host_cache_bytes
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[str, tuple[str, LoRAWeights]] = OrderedDict()
-
-    def get(self, adapter_id: str, path: str) -> AdapterRef:
-        """The adapter, read and validated from `path` unless cached under the same path."""
-        with self._lock:
-            cached = self._cache.get(adapter_id)
-            if cached is not None and cached[0] == str(path):
-                self._cache.move_to_end(adapter_id)
-                return AdapterRef(adapter_id, cached[1])
-        weights = load_peft_adapter(path, self._model, self.max_rank, self._dtype, self.roots)
-        with self._lock:
-            self._cache[adapter_id] = (str(path), weights)
-            self._cache.move_to_end(adapter_id)
-            self._shrink()
-        return AdapterRef(adapter_id, weights)
-
-    def forget(self, adapter_id: str) -> None:
-        with self._lock:
-            self._cache.pop(adapter_id, None)
-
-    def _shrink(self) -> None:
-        total = sum(w.nbytes for _, w in self._cache.values())
-        while total > self._budget and len(self._cache) > 1:
-            _, (_, dropped) = self._cache.popitem(last=False)
-            total -= dropped.nbytes
 
 
 @dataclass(eq=False)
 class ResidentAdapter:
     """An adapter's weights in pool pages, with views ready for the torch path and row offsets
-    ready for the kernels. Holds no host copy: the host cache alone bounds host memory."""
+    ready for the kernels. Holds no host copy: the host cache alone bounds host memory.
+
+    The only record of its state: `names` (ids it is served under, shown in snapshots),
+    `pinned_by` (the ids that pinned it; a subset of `names`) and `num_users` (running
+    sequences). Everything the manager counts is derived from these."""
 
     content_hash: str
     rank: int
@@ -97,15 +42,25 @@ class ResidentAdapter:
     a_offsets: torch.Tensor  # [num_layers, num_modules, rank] flat pool offset of each A row
     b_offsets: torch.Tensor  # [num_layers, num_modules, rank]
     has_module: torch.Tensor  # [num_layers, num_modules] bool
-    adapter_ids: set[str] = field(default_factory=set)
-    num_users: int = 0  # running sequences
-    pinned: bool = False
+    names: set[str] = field(default_factory=set)
+    pinned_by: set[str] = field(default_factory=set)
+    num_users: int = 0
     last_used: int = 0
 
     def __post_init__(self) -> None:
         self.targets = frozenset(self.a_chunks)  # the (layer, module) pairs it changes
-        # orders adapters of equal shape next to each other in a step's batch
-        self.batch_order = (self.rank, hash(self.targets), self.content_hash)
+        # orders adapters of equal shape next to each other in a step's batch; the same order in
+        # every process (no hash() of strings, which Python salts per process)
+        self.batch_order = (self.rank, tuple(sorted(self.targets)), self.content_hash)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.pinned_by)
+
+    @property
+    def idle(self) -> bool:
+        """Evictable: no running sequence uses it and nobody pinned it."""
+        return self.num_users == 0 and not self.pinned_by
 
     def a_matrix(self, layer: int, module: str) -> torch.Tensor:
         """[rank, in_features]: a view of the pool unless the matrix was split across pages."""
@@ -121,32 +76,46 @@ def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class ResidentInfo:
+    adapter_ids: tuple[str, ...]
+    content_hash: str
+    rank: int
+    pages: int
+    pinned: bool
+    running_requests: int
+
+
+@dataclass(frozen=True)
 class PoolSnapshot:
     num_pages: int
     free_pages: int
     kv_pages: int
     adapter_pages: int
-    resident: list[dict]
+    resident: tuple[ResidentInfo, ...]
 
 
 class AdapterManager:
-    """Residency of adapters in the shared page pool. Engine thread only.
+    """Residency of adapters in the shared page pool.
 
-    Invariant: `_idle_pages` is the number of pages held by resident adapters that no running
-    sequence uses and nobody pinned, i.e. what `free_up` may reclaim.
+    Invariants (`check_invariants` asserts them; a randomized test drives it):
+    * `_idle_pages` == the pages of resident adapters that are idle: what `free_up` may reclaim;
+    * `_pinned` == {content hash: pages} of the pinned resident adapters;
+    * an adapter with no name is resident only while running sequences use it.
     """
 
     def __init__(self, pool: PagePool, model: ModelConfig) -> None:
         self.pool = pool
         self.model = model
         self.resident: dict[str, ResidentAdapter] = {}
-        self._pinned_ids: set[str] = set()
         self._idle_pages = 0
-        self._pinned_pages: dict[str, int] = {}  # content hash -> pages, of pinned adapters
+        self.num_pages = 0  # held by resident adapters
+        # replaced, never mutated, so that other threads may read it without a lock
+        self._pinned: dict[str, int] = {}
         self._plans: dict[str, tuple[int, list[list[Chunk]]]] = {}
         self._clock = itertools.count(1)
         self.num_loads = 0
         self.num_evictions = 0
+        self.load_seconds = 0.0
 
     # -- questions the scheduler asks ------------------------------------------------------
 
@@ -161,20 +130,15 @@ class AdapterManager:
 
     def pinned_pages(self, besides: AdapterRef | None = None) -> int:
         """Pages held by pinned adapters other than `besides`. Safe from any thread."""
-        pinned = self._pinned_pages.copy()  # one atomic copy: the engine thread may change it
-        if besides is not None:
-            pinned.pop(besides.content_hash, None)
-        return sum(pinned.values())
+        pinned = self._pinned
+        skipped = pinned.get(besides.content_hash, 0) if besides is not None else 0
+        return sum(pinned.values()) - skipped
 
     def evictable_pages(self, keep: AdapterRef | None = None) -> int:
         kept = self.resident.get(keep.content_hash) if keep else None
-        if kept is not None and self._evictable(kept):
+        if kept is not None and kept.idle:
             return self._idle_pages - len(kept.pages)
         return self._idle_pages
-
-    @property
-    def num_pages(self) -> int:
-        return sum(len(r.pages) for r in self.resident.values())
 
     # -- changes the scheduler makes -------------------------------------------------------
 
@@ -184,9 +148,7 @@ class AdapterManager:
             return
         keep_hash = keep.content_hash if keep else None
         idle = sorted(
-            (r.last_used, h)
-            for h, r in self.resident.items()
-            if self._evictable(r) and h != keep_hash
+            (r.last_used, h) for h, r in self.resident.items() if r.idle and h != keep_hash
         )
         for _, content_hash in idle:
             self._evict(content_hash)
@@ -196,25 +158,29 @@ class AdapterManager:
     def acquire(self, ref: AdapterRef) -> ResidentAdapter:
         """Make `ref` resident (its pages must be free) and count one more user."""
         resident = self.resident.get(ref.content_hash) or self._load(ref.weights)
-        resident.adapter_ids.add(ref.adapter_id)
-        self._change(resident, users=+1)
+        with self._changing(resident):
+            if ref.adapter_id is not None:
+                resident.names.add(ref.adapter_id)
+            resident.num_users += 1
         return resident
 
     def release(self, ref: AdapterRef) -> None:
         resident = self.resident[ref.content_hash]
-        self._change(resident, users=-1)
-        if not resident.adapter_ids and self._evictable(resident):
-            self._evict(ref.content_hash)  # unloaded while it was in use
+        with self._changing(resident):
+            resident.num_users -= 1
+        self._evict_if_orphaned(resident)
 
     # -- operator actions ------------------------------------------------------------------
 
     def preload(self, ref: AdapterRef) -> None:
         """Bring `ref` into the pool if its pages are free right now (evicting nothing)."""
-        if ref.content_hash not in self.resident:
+        resident = self.resident.get(ref.content_hash)
+        if resident is None:
             if not self.pool.can_allocate(self.pages_to_load(ref)):
                 return
-            self._load(ref.weights)
-        self.resident[ref.content_hash].adapter_ids.add(ref.adapter_id)
+            resident = self._load(ref.weights)
+        with self._changing(resident):
+            resident.names.add(ref.adapter_id)
 
     def pin(self, ref: AdapterRef) -> None:
         """Keep `ref` resident until unpinned; loads it now (evicting idle adapters if needed)."""
@@ -224,27 +190,29 @@ class AdapterManager:
             if not self.pool.can_allocate(needed):
                 raise AdapterError(
                     f"adapter {ref.adapter_id} needs {needed} pages to pin; "
-                    f"{self.pool.num_free} are free"
+                    f"{self.pool.num_free} are free",
+                    code=ErrorCode.ADAPTER_TOO_LARGE,
                 )
             self._load(ref.weights)
         resident = self.resident[ref.content_hash]
-        resident.adapter_ids.add(ref.adapter_id)
-        self._pinned_ids.add(ref.adapter_id)
-        self._change(resident, pinned=True)
+        with self._changing(resident):
+            resident.names.add(ref.adapter_id)
+            resident.pinned_by.add(ref.adapter_id)
 
     def unpin(self, adapter_id: str) -> None:
-        self._pinned_ids.discard(adapter_id)
-        for resident in self.resident.values():
-            if adapter_id in resident.adapter_ids:
-                self._change(resident, pinned=bool(resident.adapter_ids & self._pinned_ids))
+        for resident in list(self.resident.values()):
+            if adapter_id in resident.pinned_by:
+                with self._changing(resident):
+                    resident.pinned_by.discard(adapter_id)
 
     def unload(self, adapter_id: str) -> None:
         """Forget `adapter_id`; its pages go as soon as no running sequence uses them."""
-        self.unpin(adapter_id)
-        for content_hash, resident in list(self.resident.items()):
-            resident.adapter_ids.discard(adapter_id)
-            if not resident.adapter_ids and self._evictable(resident):
-                self._evict(content_hash)
+        for resident in list(self.resident.values()):
+            if adapter_id in resident.names:
+                with self._changing(resident):
+                    resident.names.discard(adapter_id)
+                    resident.pinned_by.discard(adapter_id)
+                self._evict_if_orphaned(resident)
 
     def snapshot(self, kv_pages: int) -> PoolSnapshot:
         return PoolSnapshot(
@@ -252,41 +220,59 @@ class AdapterManager:
             free_pages=self.pool.num_free,
             kv_pages=kv_pages,
             adapter_pages=self.num_pages,
-            resident=[
-                {
-                    "adapter_ids": sorted(r.adapter_ids),
-                    "content_hash": h,
-                    "rank": r.rank,
-                    "pages": len(r.pages),
-                    "pinned": r.pinned,
-                    "running_requests": r.num_users,
-                }
+            resident=tuple(
+                ResidentInfo(
+                    adapter_ids=tuple(sorted(r.names)),
+                    content_hash=h,
+                    rank=r.rank,
+                    pages=len(r.pages),
+                    pinned=r.pinned,
+                    running_requests=r.num_users,
+                )
                 for h, r in self.resident.items()
-            ],
+            ),
         )
+
+    def check_invariants(self) -> None:
+        idle = sum(len(r.pages) for r in self.resident.values() if r.idle)
+        assert self._idle_pages == idle, f"idle pages {self._idle_pages}, really {idle}"
+        pinned = {h: len(r.pages) for h, r in self.resident.items() if r.pinned}
+        assert self._pinned == pinned, f"pinned {self._pinned}, really {pinned}"
+        for h, r in self.resident.items():
+            assert r.num_users >= 0, f"{h}: {r.num_users} users"
+            assert r.pinned_by <= r.names, f"{h}: pinned by unnamed ids"
+            assert r.names or r.num_users, f"{h}: resident, unnamed and unused"
+        pages = [p for r in self.resident.values() for p in r.pages]
+        assert len(pages) == len(set(pages)), "two adapters share a page"
+        assert self.num_pages == len(pages), f"{self.num_pages} adapter pages, really {len(pages)}"
 
     # -- internals -------------------------------------------------------------------------
 
-    @staticmethod
-    def _evictable(resident: ResidentAdapter) -> bool:
-        return resident.num_users == 0 and not resident.pinned
-
-    def _change(self, resident: ResidentAdapter, users: int = 0, pinned: bool | None = None):
-        was_idle = self._evictable(resident)
-        resident.num_users += users
-        if pinned is not None:
-            resident.pinned = pinned
-            if pinned:
-                self._pinned_pages[resident.content_hash] = len(resident.pages)
-            else:
-                self._pinned_pages.pop(resident.content_hash, None)
+    @contextmanager
+    def _changing(self, resident: ResidentAdapter):
+        """Every change of `names`, `pinned_by` or `num_users` happens inside this, which keeps
+        the derived counts in step with them."""
+        was_idle, was_pinned = resident.idle, resident.pinned
+        yield
         resident.last_used = next(self._clock)
-        self._idle_pages += (self._evictable(resident) - was_idle) * len(resident.pages)
+        self._idle_pages += (resident.idle - was_idle) * len(resident.pages)
+        if resident.pinned != was_pinned:
+            self._publish_pinned()
+
+    def _publish_pinned(self) -> None:
+        self._pinned = {h: len(r.pages) for h, r in self.resident.items() if r.pinned}
+
+    def _evict_if_orphaned(self, resident: ResidentAdapter) -> None:
+        if not resident.names and resident.idle:
+            self._evict(resident.content_hash)
 
     def _evict(self, content_hash: str) -> None:
         resident = self.resident.pop(content_hash)
-        self._idle_pages -= len(resident.pages) if self._evictable(resident) else 0
+        self._idle_pages -= len(resident.pages) if resident.idle else 0
+        if resident.pinned:
+            self._publish_pinned()
         self.pool.free(resident.pages)
+        self.num_pages -= len(resident.pages)
         self.num_evictions += 1
 
     def _matrices(self, weights: LoRAWeights) -> list[tuple[str, tuple[int, str], torch.Tensor]]:
@@ -306,6 +292,7 @@ class AdapterManager:
         return cached
 
     def _load(self, weights: LoRAWeights) -> ResidentAdapter:
+        started = time.perf_counter()
         num_pages, placements = self._plan(weights)
         pages = self.pool.allocate(num_pages)
         flat = self.pool.data.view(-1)
@@ -336,7 +323,9 @@ class AdapterManager:
         )
         self.resident[weights.content_hash] = resident
         self._idle_pages += len(pages)  # resident, no user yet
+        self.num_pages += len(pages)
         self.num_loads += 1
+        self.load_seconds += time.perf_counter() - started
         return resident
 
     def _place(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -21,37 +20,16 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from loraplex.engine.adapters.peft_config import CONFIG_FILE, AdapterConfig, read_config
 from loraplex.engine.config import ModelConfig
+from loraplex.engine.errors import AdapterError, ErrorCode
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHTS_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
 
 _TENSOR_NAME = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
-# PEFT options that change what the weights mean: served wrongly if ignored, so refused.
-_UNSUPPORTED_OPTIONS = {
-    "use_dora": "DoRA (use_dora)",
-    "modules_to_save": "modules_to_save",
-    "lora_bias": "lora_bias",
-    "rank_pattern": "per-module ranks (rank_pattern)",
-    "alpha_pattern": "per-module alphas (alpha_pattern)",
-    "layer_replication": "layer_replication",
-    "use_qalora": "QALoRA (use_qalora)",
-    "trainable_token_indices": "trainable_token_indices",
-    "target_parameters": "target_parameters",
-    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
-    "use_bdlora": "use_bdlora",
-    "arrow_config": "Arrow routing (arrow_config)",
-    "kasa_config": "kasa_config",
-    "velora_config": "velora_config",
-    "monteclora_config": "monteclora_config",
-}
-
-
-class AdapterError(ValueError):
-    """The adapter cannot be served; the message says what is wrong and where."""
 
 
 @dataclass(frozen=True)
@@ -89,9 +67,14 @@ def resolve_adapter_path(path: str | Path, roots: tuple[str, ...] | None) -> Pat
     if roots is not None:
         allowed = [Path(os.path.realpath(Path(r).expanduser())) for r in roots]
         if not any(real == root or root in real.parents for root in allowed):
-            raise AdapterError(f"adapter path {path} is outside the configured adapter roots")
+            raise AdapterError(
+                f"adapter path {path} is outside the configured adapter roots",
+                code=ErrorCode.ADAPTER_OUTSIDE_ROOTS,
+            )
     if not real.is_dir():
-        raise AdapterError(f"adapter path {path} is not a directory")
+        raise AdapterError(
+            f"adapter path {path} is not a directory", code=ErrorCode.ADAPTER_NOT_FOUND
+        )
     return real
 
 
@@ -102,44 +85,19 @@ def load_peft_adapter(
     dtype: torch.dtype,
     roots: tuple[str, ...] | None = None,
 ) -> LoRAWeights:
+    """Read and validate a PEFT LoRA directory; raises AdapterError naming the problem."""
     directory = resolve_adapter_path(path, roots)
-    config = _read_config(directory)
+    config = read_config(directory, MODULES)
     weights_path = _weights_file(directory)
-    a, b = _read_tensors(weights_path, model, dtype)
-    rank = _check_ranks(a, b, int(config.get("r", 0)), max_rank)
-    alpha = float(config.get("lora_alpha", rank))
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    a, b = _read_tensors(weights_path, model, config, dtype)
+    _check_rank(a, b, config.rank, max_rank)
     return LoRAWeights(
         content_hash=_content_hash(config, weights_path),
-        rank=rank,
-        scale=scale,
+        rank=config.rank,
+        scale=config.scale,
         a=a,
         b=b,
     )
-
-
-def _read_config(directory: Path) -> dict:
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise AdapterError(f"{directory} has no {CONFIG_FILE}")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise AdapterError(f"{config_path} is not valid JSON: {error}") from None
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"adapter type {config.get('peft_type')} is not supported (LORA only)")
-    for option, label in _UNSUPPORTED_OPTIONS.items():
-        if config.get(option):
-            raise AdapterError(f"{label} is not supported")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"bias={config['bias']!r} is not supported (bias='none' only)")
-    targets = config.get("target_modules") or []
-    for module in [targets] if isinstance(targets, str) else targets:
-        if module in ("embed_tokens", "lm_head"):
-            raise AdapterError(
-                f"LoRA on {module} is not supported; supported: {', '.join(MODULES)}"
-            )
-    return config
 
 
 def _weights_file(directory: Path) -> Path:
@@ -149,62 +107,100 @@ def _weights_file(directory: Path) -> Path:
     if any(directory.glob("*.bin")) or any(directory.glob("*.pt")):
         raise AdapterError(
             f"{directory} holds pickle weights (.bin/.pt), which loraplex never unpickles: "
-            f"save the adapter with safetensors ({WEIGHTS_FILE})"
+            f"save the adapter with safetensors ({WEIGHTS_FILE})",
+            code=ErrorCode.ADAPTER_UNSUPPORTED,
         )
-    raise AdapterError(f"{directory} has no {WEIGHTS_FILE}")
+    raise AdapterError(f"{directory} has no {WEIGHTS_FILE}", code=ErrorCode.ADAPTER_CORRUPT)
 
 
-def _read_tensors(path: Path, model: ModelConfig, dtype: torch.dtype):
+def _read_tensors(path: Path, model: ModelConfig, config: AdapterConfig, dtype: torch.dtype):
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
     try:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                layer, module, kind = _parse_name(name, model)
-                tensor = f.get_tensor(name)
+                layer, module, kind = _parse_name(name, model, config)
+                tensor = _served(name, f.get_tensor(name), dtype)
                 _check_shape(name, tensor, model, module, kind)
-                if not torch.isfinite(tensor).all():
-                    raise AdapterError(f"adapter tensor {name} holds NaN or infinite values")
                 if kind == "A":
-                    a[(layer, module)] = tensor.to(dtype).contiguous()
+                    a[(layer, module)] = tensor.contiguous()
                 else:
-                    b[(layer, module)] = tensor.t().to(dtype).contiguous()
+                    b[(layer, module)] = tensor.t().contiguous()
     except (SafetensorError, OSError, RuntimeError) as error:
         raise AdapterError(
-            f"{path} is not a readable safetensors file (corrupt or truncated?): {error}"
+            f"{path} is not a readable safetensors file (corrupt or truncated?): {error}",
+            code=ErrorCode.ADAPTER_CORRUPT,
         ) from None
     if not a:
-        raise AdapterError(f"{path} holds no LoRA weights")
+        raise AdapterError(f"{path} holds no LoRA weights", code=ErrorCode.ADAPTER_CORRUPT)
     if a.keys() != b.keys():
         missing = sorted(set(a.keys()) ^ set(b.keys()))[0]
-        raise AdapterError(f"layer {missing[0]} {missing[1]} has only one of lora_A / lora_B")
+        raise AdapterError(
+            f"layer {missing[0]} {missing[1]} has only one of lora_A / lora_B",
+            code=ErrorCode.ADAPTER_CORRUPT,
+        )
     return a, b
 
 
-def _parse_name(name: str, model: ModelConfig) -> tuple[int, str, str]:
+def _served(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor in the serving dtype, refused unless every value is a finite float there."""
+    if not tensor.is_floating_point():
+        raise AdapterError(
+            f"adapter tensor {name} holds {tensor.dtype} values; LoRA weights are floats",
+            code=ErrorCode.ADAPTER_CORRUPT,
+        )
+    served = tensor.to(dtype)
+    if not torch.isfinite(served).all():
+        raise AdapterError(
+            f"adapter tensor {name} holds NaN or infinite values "
+            f"(in the serving dtype, {str(dtype).removeprefix('torch.')})",
+            code=ErrorCode.ADAPTER_CORRUPT,
+        )
+    return served
+
+
+def _parse_name(name: str, model: ModelConfig, config: AdapterConfig) -> tuple[int, str, str]:
     match = _TENSOR_NAME.match(name)
     if match is None:
         if "lora_magnitude_vector" in name:
-            raise AdapterError("DoRA (use_dora) is not supported")
+            raise AdapterError(
+                "DoRA (use_dora) is not supported", code=ErrorCode.ADAPTER_UNSUPPORTED
+            )
         if "embed" in name or "lm_head" in name:
             raise AdapterError(
                 f"adapter tensor {name}: LoRA on embeddings or lm_head is not "
-                f"supported; supported: {', '.join(MODULES)}"
+                f"supported; supported: {', '.join(MODULES)}",
+                code=ErrorCode.ADAPTER_UNSUPPORTED,
             )
         raise AdapterError(
             f"adapter tensor {name} is not a LoRA weight of a supported module "
-            f"({', '.join(MODULES)})"
+            f"({', '.join(MODULES)})",
+            code=ErrorCode.ADAPTER_UNSUPPORTED,
         )
-    layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
+    layer, block, module, kind = (
+        int(match.group(1)),
+        match.group(2),
+        match.group(3),
+        match.group(4),
+    )
     if module not in MODULES:
         raise AdapterError(
             f"adapter tensor {name}: LoRA on {module} is not supported; "
-            f"supported: {', '.join(MODULES)}"
+            f"supported: {', '.join(MODULES)}",
+            code=ErrorCode.ADAPTER_UNSUPPORTED,
         )
     if layer >= model.num_layers:
         raise AdapterError(
             f"adapter tensor {name} is for layer {layer}; the base model has "
-            f"{model.num_layers} layers"
+            f"{model.num_layers} layers",
+            code=ErrorCode.ADAPTER_INCOMPATIBLE,
+        )
+    if not config.targets(layer, f"model.layers.{layer}.{block}.{module}"):
+        # PEFT would not load this tensor: applying it would serve something else than PEFT
+        raise AdapterError(
+            f"adapter tensor {name} is outside what {CONFIG_FILE} targets "
+            f"(target_modules, layers_to_transform)",
+            code=ErrorCode.ADAPTER_CORRUPT,
         )
     return layer, module, kind
 
@@ -218,20 +214,29 @@ def _check_shape(
     if tensor.dim() != 2 or tuple(tensor.shape) != expected:
         raise AdapterError(
             f"adapter tensor {name} has shape {tuple(tensor.shape)}; the base model needs "
-            f"{expected}: is the adapter for another base model?"
+            f"{expected}: is the adapter for another base model?",
+            code=ErrorCode.ADAPTER_INCOMPATIBLE,
         )
 
 
-def _check_ranks(a: dict, b: dict, configured: int, max_rank: int) -> int:
+def _check_rank(a: dict, b: dict, configured: int, max_rank: int) -> None:
     ranks = {t.shape[0] for t in a.values()} | {t.shape[0] for t in b.values()}
     if len(ranks) != 1:
-        raise AdapterError(f"adapter mixes ranks {sorted(ranks)}; one rank per adapter")
+        raise AdapterError(
+            f"adapter mixes ranks {sorted(ranks)}; one rank per adapter",
+            code=ErrorCode.ADAPTER_UNSUPPORTED,
+        )
     rank = ranks.pop()
-    if configured and configured != rank:
-        raise AdapterError(f"adapter_config.json says r={configured}, the weights have rank {rank}")
+    if configured != rank:
+        raise AdapterError(
+            f"{CONFIG_FILE} says r={configured}, the weights have rank {rank}",
+            code=ErrorCode.ADAPTER_CORRUPT,
+        )
     if rank > max_rank:
-        raise AdapterError(f"adapter rank {rank} exceeds the configured maximum {max_rank}")
-    return rank
+        raise AdapterError(
+            f"adapter rank {rank} exceeds the configured maximum {max_rank}",
+            code=ErrorCode.ADAPTER_RANK_TOO_HIGH,
+        )
 
 
 def save_peft_adapter(
@@ -288,10 +293,9 @@ def random_peft_adapter(
     return save_peft_adapter(out_dir, lora_a, lora_b, lora_alpha=2 * rank)
 
 
-def _content_hash(config: dict, weights_path: Path) -> str:
+def _content_hash(config: AdapterConfig, weights_path: Path) -> str:
     digest = hashlib.sha256()
-    meaning = {k: config.get(k) for k in ("r", "lora_alpha", "use_rslora")}
-    digest.update(json.dumps(meaning, sort_keys=True).encode())
+    digest.update(json.dumps(config.meaning(), sort_keys=True).encode())
     with weights_path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
