@@ -1,16 +1,13 @@
-"""`loraplex` command line: generate | model prepare."""
+"""`loraplex` command line: serve | db | admin | generate | model."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-import tomllib
 from pathlib import Path
 
 from loraplex.engine.errors import EngineError
-
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +43,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     generate.set_defaults(func=_generate)
 
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--config", type=Path, help="settings file (TOML)")
+    serve.add_argument(
+        "--demo",
+        action="store_true",
+        help="set up a demo tenant with the demo adapters and print a key for it",
+    )
+    serve.set_defaults(func=_serve)
+
+    db = commands.add_parser("db", help="manage the registry database")
+    db.add_argument("--config", type=Path, help="settings file (TOML)")
+    db_commands = db.add_subparsers(required=True, metavar="action")
+    upgrade = db_commands.add_parser("upgrade", help="migrate to the newest schema")
+    upgrade.add_argument("revision", nargs="?", default="head")
+    upgrade.set_defaults(func=_db_upgrade)
+    downgrade = db_commands.add_parser("downgrade", help="migrate down to a revision")
+    downgrade.add_argument("revision")
+    downgrade.set_defaults(func=_db_downgrade)
+    current = db_commands.add_parser("current", help="print the schema revision")
+    current.set_defaults(func=_db_current)
+
+    from loraplex.admin_cli import add_admin_commands
+
+    add_admin_commands(commands)
+
     model = commands.add_parser("model", help="manage the base model")
     model_commands = model.add_subparsers(required=True, metavar="action")
     prepare = model_commands.add_parser(
@@ -56,13 +80,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_engine_config(path: Path | None, **overrides):
-    from loraplex.engine.config import EngineConfig
+def _serve(args: argparse.Namespace) -> int:
+    from loraplex.platform.server import serve
+    from loraplex.platform.settings import load_settings
 
-    path = path or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
-    values = tomllib.loads(path.read_text()).get("engine", {}) if path else {}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return EngineConfig(**values)
+    settings = load_settings(args.config, host=args.host, port=args.port)
+    logging.getLogger("loraplex").setLevel(settings.log_level.upper())
+    if args.demo:
+        logging.getLogger("loraplex").setLevel(logging.INFO)
+    return serve(settings, demo=args.demo)
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import migrate
+    from loraplex.platform.settings import load_settings
+
+    url = load_settings(args.config).database
+    migrate.upgrade(url, args.revision)
+    print(f"database at revision {migrate.current(url)}")
+    return 0
+
+
+def _db_downgrade(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import migrate
+    from loraplex.platform.settings import load_settings
+
+    url = load_settings(args.config).database
+    migrate.downgrade(url, args.revision)
+    print(f"database at revision {migrate.current(url)}")
+    return 0
+
+
+def _db_current(args: argparse.Namespace) -> int:
+    from loraplex.platform.db import migrate
+    from loraplex.platform.settings import load_settings
+
+    url = load_settings(args.config).database
+    print(f"{migrate.current(url)} (newest: {migrate.head(url)})")
+    return 0
+
+
+def load_engine_config(path: Path | None, model: str | None = None):
+    from loraplex.platform.settings import load_settings
+
+    return load_settings(path, model=model).engine_config()
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -22,10 +22,12 @@ from loraplex.engine.errors import (
 )
 from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.outputs import RequestDelta, SequenceDelta
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from loraplex.engine.sequence import TokenLogprob
 
 __all__ = [
+    "MAX_LOGPROBS",
+    "MAX_N",
     "AdapterError",
     "AdapterInfo",
     "AsyncEngine",

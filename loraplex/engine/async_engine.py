@@ -10,17 +10,22 @@ worker threads, off the event loop too.
 
 Which call raises what (all are EngineError subclasses, each with a `code`):
 
+    AsyncEngine(config)  ValueError / UnsupportedModelError for a bad config or checkpoint
     generate        InvalidRequestError / AdapterError before anything runs (bad input);
                     OverloadedError at once when too many requests wait for their first token;
-                    RequestFailedError mid-stream when the request's output turns non-finite;
+                    RequestFailedError mid-stream when the request's output turns non-finite
+                    (code non_finite_output) or an engine step failed (code engine_error);
                     EngineShutdownError when shutting down (also mid-stream, past the grace);
                     EngineDeadError when the engine thread has failed
-    load_adapter    AdapterError (unreadable, unservable, or no room to pin it)
+    load_adapter    AdapterError (unreadable, unservable, too large to pin, pool busy:
+                    code overloaded); EngineShutdownError, EngineDeadError
     validate_adapter  AdapterError
     unpin_adapter, unload_adapter, pool_snapshot   EngineShutdownError, EngineDeadError
-    check_health    EngineDeadError when the engine thread is gone or does not answer
-    encode_chat     InvalidRequestError (no chat template, malformed messages)
-    stats, model_info   nothing
+    check_health    EngineDeadError when the engine thread is gone or does not answer;
+                    EngineShutdownError after shutdown
+    encode_chat, encode   InvalidRequestError (no chat template, malformed messages or text)
+    stats, model_info, token_bytes, host_cached_adapters   nothing
+    shutdown, aclose      nothing (what is in flight fails with EngineShutdownError)
 """
 
 from __future__ import annotations
@@ -41,14 +46,20 @@ from loraplex.engine.errors import (
     EngineDeadError,
     EngineError,
     EngineShutdownError,
+    ErrorCode,
     InvalidRequestError,
     OverloadedError,
+    RequestFailedError,
+    fresh,
 )
 from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.outputs import RequestDelta
+from loraplex.engine.prompts import check_text
 from loraplex.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+QUICK_PROMPT_TOKENS = 2048  # checked on the caller's thread up to this length
 
 
 @dataclass
@@ -70,6 +81,7 @@ class AsyncEngine:
         self._accepting = True
         self._closed = False  # the engine thread has stopped taking work
         self._dead: EngineDeadError | None = None
+        self._admitted: set[str] = set()  # requests the engine took and has not finished
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -88,9 +100,7 @@ class AsyncEngine:
         self._admit()
         waiting = True
         try:
-            request = await asyncio.to_thread(
-                self._engine.make_request, prompt, params, request_id, lora, tag
-            )
+            request = await self._make_request(prompt, params, request_id, lora, tag)
             if request.request_id in self._listeners:
                 raise InvalidRequestError(
                     f"request id {request.request_id!r} is already in flight", param="request_id"
@@ -120,10 +130,21 @@ class AsyncEngine:
             if waiting:
                 self._stop_waiting()
 
+    async def _make_request(self, prompt, params, request_id, lora, tag):
+        """On a worker thread, unless it is quick: token ids (no tokenizing) and an adapter
+        already in host memory (no disk read) are checked on the spot, sparing a thread hop."""
+        adapter = self._engine.catalog.cached(lora.adapter_id, lora.path) if lora else None
+        quick = isinstance(prompt, list) and len(prompt) <= QUICK_PROMPT_TOKENS
+        if quick and (lora is None or adapter is not None):
+            return self._engine.make_request(prompt, params, request_id, lora, tag, adapter)
+        return await asyncio.to_thread(
+            self._engine.make_request, prompt, params, request_id, lora, tag
+        )
+
     def _admit(self) -> None:
         with self._lock:
             if self._dead is not None:
-                raise self._dead
+                raise fresh(self._dead)
             if not self._accepting:
                 raise EngineShutdownError("the engine is shutting down and takes no new requests")
             if self._max_waiting is not None and self._num_waiting >= self._max_waiting:
@@ -162,11 +183,25 @@ class AsyncEngine:
     async def pool_snapshot(self) -> PoolSnapshot:
         return await self._on_engine_thread(self._engine.pool_snapshot)
 
+    def host_cached_adapters(self) -> frozenset[str]:
+        """Ids of the adapters held in host memory (read, not necessarily in the pool)."""
+        return self._engine.catalog.cached_ids()
+
     # -- for the server ---------------------------------------------------------------------
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The conversation through the model's chat template, as token ids. Any thread."""
         return self._engine.tokenizer.encode_chat(messages)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (for logprobs). Any thread."""
+        return self._engine.tokenizer.token_bytes(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a plain prompt, as `generate` would tokenize it. Any thread. Raises
+        InvalidRequestError for text that is not valid Unicode."""
+        check_text(text, "prompt")
+        return self._engine.tokenizer.encode(text)
 
     def model_info(self) -> ModelInfo:
         return self._model_info
@@ -178,8 +213,10 @@ class AsyncEngine:
     async def check_health(self, timeout: float = 5.0) -> None:
         """Returns once the engine thread has answered between two steps; raises
         EngineDeadError if it is gone, or wedged for `timeout` seconds."""
-        if self._dead is not None or not self._thread.is_alive():
-            raise self._dead or EngineDeadError("the engine thread is not running")
+        if self._dead is not None:
+            raise fresh(self._dead)
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread is not running")
         try:
             await asyncio.wait_for(self._on_engine_thread(time.monotonic), timeout)
         except TimeoutError:
@@ -189,15 +226,22 @@ class AsyncEngine:
 
     def shutdown(self, grace_seconds: float = 0.0) -> None:
         """Stop taking requests; let those in flight finish for up to `grace_seconds`, then
-        fail the rest (and pending adapter calls) with EngineShutdownError. Blocks; safe to call
-        twice."""
+        fail the rest (and pending adapter calls) with EngineShutdownError. Blocks the calling
+        thread (from an event loop, use `aclose`); safe to call twice."""
         with self._lock:
             self._accepting = False
         deadline = time.monotonic() + grace_seconds
-        while self._listeners and time.monotonic() < deadline and self._thread.is_alive():
+        while self._busy() and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.02)
         self._put("stop", None, quiet=True)
         self._thread.join(timeout=30)
+
+    async def aclose(self, grace_seconds: float = 0.0) -> None:
+        """`shutdown` without blocking the event loop (streams keep flowing meanwhile)."""
+        await asyncio.to_thread(self.shutdown, grace_seconds)
+
+    def _busy(self) -> bool:
+        return bool(self._admitted) or not self._inbox.empty()
 
     # -- crossing into the engine thread ----------------------------------------------------
 
@@ -206,7 +250,9 @@ class AsyncEngine:
             if self._closed:
                 if quiet:
                     return
-                raise self._dead or EngineShutdownError("the engine has shut down")
+                if self._dead is not None:
+                    raise fresh(self._dead)
+                raise EngineShutdownError("the engine has shut down")
             self._inbox.put((kind, payload))
 
     async def _on_engine_thread(self, fn: Callable, *args):
@@ -235,10 +281,14 @@ class AsyncEngine:
             deltas = self._engine.step()
         except Exception as failure:  # an engine bug: fail what is in flight, keep serving
             logger.exception("engine step failed")
-            self._fail_all(EngineDeadError(f"engine step failed: {failure}"))
+            self._fail_all(
+                RequestFailedError(f"an engine step failed: {failure}", ErrorCode.STEP_FAILED)
+            )
             return
         for delta in deltas:
             self._deliver(delta.request_id, delta)
+            if delta.finished:
+                self._admitted.discard(delta.request_id)
 
     def _take_inbox(self, block: bool) -> bool:
         """Handle what arrived; False once asked to stop."""
@@ -258,8 +308,11 @@ class AsyncEngine:
                 self._engine.add_request(payload)
             except EngineError as error:
                 self._deliver(payload.request_id, error)
+                return
+            self._admitted.add(payload.request_id)
         elif kind == "abort":
             self._engine.abort_request(payload)
+            self._admitted.discard(payload)
         elif kind == "call":
             fn, args, future = payload
             if not future.set_running_or_notify_cancel():
@@ -274,16 +327,18 @@ class AsyncEngine:
         with self._lock:
             self._closed = True
             self._accepting = False
-        self._fail_all(error)
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                self._deliver(payload.request_id, error)
-            elif kind == "call" and payload[2].set_running_or_notify_cancel():
-                payload[2].set_exception(error)
+        try:
+            self._fail_all(error)
+        finally:
+            while True:
+                try:
+                    kind, payload = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    self._deliver(payload.request_id, fresh(error))
+                elif kind == "call" and payload[2].set_running_or_notify_cancel():
+                    payload[2].set_exception(fresh(error))
 
     def _deliver(self, request_id: str, item: RequestDelta | Exception) -> None:
         listener = self._listeners.get(request_id)
@@ -294,7 +349,13 @@ class AsyncEngine:
         except RuntimeError:  # the caller's event loop is gone: nobody is listening
             self._listeners.pop(request_id, None)
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self._engine.requests):
-            self._engine.abort_request(request_id)
-            self._deliver(request_id, error)
+    def _fail_all(self, error: EngineError) -> None:
+        """Every request the engine took and has not finished fails with (a copy of) `error`,
+        even if aborting one of them fails too."""
+        for request_id in list(self._admitted):
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+            self._deliver(request_id, fresh(error))
+        self._admitted.clear()

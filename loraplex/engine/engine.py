@@ -103,19 +103,20 @@ class LLMEngine:
         request_id: str | None = None,
         lora: LoRARequest | None = None,
         tag: object = None,
+        adapter: AdapterRef | None = None,
     ) -> Request:
-        """Tokenize, read the adapter (from the host cache or disk) and validate. Raises
-        InvalidRequestError (AdapterError for the adapter) naming the problem."""
+        """Tokenize, read the adapter (from the host cache or disk, unless `adapter` is the
+        host copy already at hand) and validate. Raises InvalidRequestError (AdapterError for the
+        adapter) naming the problem."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         self._check_token_params(params)
-        adapter = self.catalog.get(lora.adapter_id, lora.path) if lora else None
-        max_tokens = self._check_lengths(len(token_ids), params)
-        num_kv_pages = self.kv.pages_for(len(token_ids) + max_tokens)
-        num_pages_needed = num_kv_pages + (
-            self.adapters.plan_pages(adapter.weights) if adapter else 0
-        )
+        if adapter is None and lora is not None:
+            adapter = self.catalog.get(lora.adapter_id, lora.path)
+        adapter_pages = self.adapters.plan_pages(adapter.weights) if adapter else 0
+        max_tokens = self._check_lengths(len(token_ids), params, adapter, adapter_pages)
+        num_pages_needed = self.kv.pages_for(len(token_ids) + max_tokens) + adapter_pages
         self._check_fits_pool(num_pages_needed, adapter, len(token_ids), max_tokens)
         request_id = request_id or uuid.uuid4().hex
         seqs = [
@@ -135,8 +136,15 @@ class LLMEngine:
                     f"{name} must hold token ids in [0, {vocab}), got {max(ids)}", param=name
                 )
 
-    def _check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
-        """-> max_tokens for this prompt."""
+    def _check_lengths(
+        self,
+        num_prompt: int,
+        params: SamplingParams,
+        adapter: AdapterRef | None,
+        adapter_pages: int,
+    ) -> int:
+        """-> max_tokens for this prompt. Without one, it runs to the end of the context or of
+        what the pool can hold for one sequence, whichever comes first."""
         context = self.max_model_len
         if num_prompt >= context:
             raise InvalidRequestError(
@@ -145,7 +153,11 @@ class LLMEngine:
                 code=ErrorCode.PROMPT_TOO_LONG,
                 param="prompt",
             )
-        max_tokens = params.max_tokens or context - num_prompt
+        if params.max_tokens is None:
+            free = self.pool.num_pages - self.adapters.pinned_pages(besides=adapter)
+            room = (free - adapter_pages) * self.config.page_size
+            return max(1, min(context, room) - num_prompt)  # too little room: refused below
+        max_tokens = params.max_tokens
         if num_prompt + max_tokens > context:
             raise InvalidRequestError(
                 f"max_tokens must be in [1, {context - num_prompt}] for this prompt "
@@ -216,6 +228,9 @@ class LLMEngine:
                 f"request id {request.request_id!r} is already in flight", param="request_id"
             )
         self._check_fits_pool(request.num_pages_needed, request.seqs[0].adapter)
+        for seq in request.seqs:  # made before its adapter was unloaded: serve, do not name
+            if seq.adapter is not None and not self.catalog.is_current(seq.adapter):
+                seq.adapter = seq.adapter.retired()
         self.requests[request.request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -255,13 +270,18 @@ class LLMEngine:
                 seq.status = Status.FINISHED
             touched.setdefault(seq.request_id, []).append(seq)
         deltas = [self._fail(seq) for seq in result.failed if seq.request_id in self.requests]
+        finished = []
         for request_id, seqs in touched.items():
             request = self.requests.get(request_id)
             if request is None:  # failed in this very step
                 continue
             deltas.append(take_delta(request, seqs))
             if request.is_finished:
-                del self.requests[request_id]
+                finished.append(request_id)
+        # only once every delta exists: should anything above raise, every request of the step
+        # is still here for the caller to fail
+        for request_id in finished:
+            del self.requests[request_id]
         return deltas
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -291,7 +311,7 @@ class LLMEngine:
 
     def _end(self, request: Request, reason: str) -> RequestDelta:
         live = [seq for seq in request.seqs if not seq.is_finished]
-        self.scheduler.abort(live)
+        self.scheduler.abort(request.seqs)  # finished ones too, if a failed step left them
         for seq in live:
             seq.finish_reason = reason
         return take_delta(request, live)
@@ -330,7 +350,10 @@ class LLMEngine:
             own = request.seqs[0].adapter
             if own is not None and own.content_hash == ref.content_hash:
                 continue  # pinning its own adapter takes nothing from it
-            if request.num_pages_needed + pinned_after > self.pool.num_pages:
+            needed = request.num_pages_needed
+            if own is not None and self.adapters.is_pinned(own):
+                needed -= self.adapters.plan_pages(own.weights)  # in pinned_after already
+            if needed + pinned_after > self.pool.num_pages:
                 raise AdapterError(
                     f"pinning adapter {ref.adapter_id} ({self.adapters.plan_pages(ref.weights)} "
                     f"pages) would leave {self.pool.num_pages - pinned_after} unpinned pages; "
@@ -358,10 +381,11 @@ class LLMEngine:
         Raises AdapterError. Any thread."""
         weights = self.catalog.read(lora.path)
         num_pages = self.adapters.plan_pages(weights)
-        if num_pages > self.pool.num_pages - self.adapters.pinned_pages():
+        pinned = self.adapters.pinned_pages(besides=AdapterRef(None, weights))
+        if num_pages > self.pool.num_pages - pinned:
             raise AdapterError(
                 f"adapter {lora.adapter_id} needs {num_pages} pages; the pool has "
-                f"{self.pool.num_pages}, {self.adapters.pinned_pages()} of them pinned",
+                f"{self.pool.num_pages}, {pinned} of them pinned",
                 code=ErrorCode.ADAPTER_TOO_LARGE,
             )
         return AdapterInfo(

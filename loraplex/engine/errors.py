@@ -28,6 +28,7 @@ class ErrorCode(enum.StrEnum):
     ADAPTER_TOO_LARGE = "adapter_too_large"  # more pages than the pool can spare
     OVERLOADED = "overloaded"
     NON_FINITE = "non_finite_output"  # the model's output for this request turned NaN/inf
+    STEP_FAILED = "engine_error"  # a step failed; its requests failed, the engine goes on
     SHUTDOWN = "engine_shutdown"
     ENGINE_DEAD = "engine_dead"
 
@@ -71,3 +72,21 @@ class EngineDeadError(EngineError, RuntimeError):
     """The engine loop failed; in-flight requests were dropped."""
 
     code = ErrorCode.ENGINE_DEAD
+
+
+def fresh(error: EngineError) -> EngineError:
+    """A new instance of the same error: one instance raised in many places would collect every
+    traceback (and keep their frames alive)."""
+    return type(error)(error.message, error.code, error.param)
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value for an error message: short, and safe for any input (Python refuses to print
+    integers of more than 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
+        return "a huge integer"
+    try:
+        text = repr(value)
+    except ValueError:
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

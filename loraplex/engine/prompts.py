@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from loraplex.engine.errors import InvalidRequestError
-from loraplex.engine.tokenizer import TokenizerWrapper
+
+if TYPE_CHECKING:
+    from loraplex.engine.tokenizer import TokenizerWrapper
 
 
 def prompt_token_ids(
@@ -13,6 +17,7 @@ def prompt_token_ids(
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty", param="prompt")
+        check_text(prompt, "prompt")
         return prompt, tokenizer.encode(prompt)
     if not isinstance(prompt, list | tuple):
         raise InvalidRequestError(
@@ -32,3 +37,14 @@ def prompt_token_ids(
                 f"prompt token ids must be in [0, {vocab_size}), got {token}", param="prompt"
             )
     return None, list(prompt)
+
+
+def check_text(text: str, param: str) -> None:
+    """Text must be encodable as UTF-8 (JSON lets a lone surrogate such as "\\ud800" through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode text: {error.reason} at position {error.start}",
+            param=param,
+        ) from None

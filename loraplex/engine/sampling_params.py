@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.errors import InvalidRequestError, shown
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1000  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -93,12 +94,12 @@ def _is_finite(value: float) -> bool:
 
 
 def _check_number(
-    name: str, value: object, low: float, high: float | None, shown: str, low_open: bool = False
+    name: str, value: object, low: float, high: float | None, bounds: str, low_open: bool = False
 ) -> None:
     ok = _is_number(value) and _is_finite(value)
     ok = ok and (value > low if low_open else value >= low) and (high is None or value <= high)
     if not ok:
-        raise _invalid(name, f"{name} must be a number in {shown}, got {value!r}")
+        raise _invalid(name, f"{name} must be a number in {bounds}, got {shown(value)}")
 
 
 def _check_int(name: str, value: object, low: int | None, high: int | None) -> None:
@@ -110,7 +111,7 @@ def _check_int(name: str, value: object, low: int | None, high: int | None) -> N
             allowed = f" >= {low}"
         else:
             allowed = f" in [{low}, {high}]"
-        raise _invalid(name, f"{name} must be an integer{allowed}, got {value!r}")
+        raise _invalid(name, f"{name} must be an integer{allowed}, got {shown(value)}")
 
 
 def _stop_strings(stop: object) -> list[str]:
@@ -119,9 +120,13 @@ def _stop_strings(stop: object) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
-        raise _invalid("stop", f"stop must be a non-empty string or a list of them, got {stop!r}")
+        raise _invalid(
+            "stop", f"stop must be a non-empty string or a list of them, got {shown(stop)}"
+        )
     if len(stop) > MAX_STOP_STRINGS:
         raise _invalid("stop", f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    if any(len(s) > MAX_STOP_LENGTH for s in stop):
+        raise _invalid("stop", f"stop strings are at most {MAX_STOP_LENGTH} characters long")
     return list(stop)
 
 
@@ -132,7 +137,9 @@ def _token_id_list(name: str, ids: object) -> list[int]:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
     )
     if not ok:
-        raise _invalid(name, f"{name} must be a list of token ids (integers >= 0), got {ids!r}")
+        raise _invalid(
+            name, f"{name} must be a list of token ids (integers >= 0), got {shown(ids)}"
+        )
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise _invalid(name, f"{name} allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
     return list(ids)
@@ -142,7 +149,7 @@ def _logit_bias(bias: object) -> dict[int, float] | None:
     if bias is None or bias == {}:
         return None
     if not isinstance(bias, dict):
-        raise _invalid("logit_bias", f"logit_bias must map token ids to numbers, got {bias!r}")
+        raise _invalid("logit_bias", f"logit_bias must map token ids to numbers, got {shown(bias)}")
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise _invalid(
             "logit_bias",
@@ -151,11 +158,13 @@ def _logit_bias(bias: object) -> dict[int, float] | None:
     checked: dict[int, float] = {}
     for token, value in bias.items():
         # JSON object keys are strings: "123" is token 123, as in OpenAI's API
-        numeric = isinstance(token, str) and token.isascii() and token.isdigit()
+        numeric = isinstance(token, str) and token.isascii() and token.isdigit() and len(token) < 12
         token_id = int(token) if numeric else token
         if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
-            raise _invalid("logit_bias", f"logit_bias keys must be token ids, got {token!r}")
+            raise _invalid("logit_bias", f"logit_bias keys must be token ids, got {shown(token)}")
         if not _is_number(value) or not -100 <= value <= 100:
-            raise _invalid("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r}")
+            raise _invalid(
+                "logit_bias", f"logit_bias values must be in [-100, 100], got {shown(value)}"
+            )
         checked[token_id] = float(value)
     return checked

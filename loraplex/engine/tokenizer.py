@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 import jinja2
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.prompts import check_text
 
 
 class TokenizerWrapper:
@@ -41,6 +44,23 @@ class TokenizerWrapper:
                 f"the model's chat template refused the messages: {error}", param="messages"
             ) from None
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (a byte-level token may be part of a character).
+        Any thread."""
+        return self._token_bytes(token_id)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one wrapper per engine, kept for its life
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self.backend.decoder, decoders.ByteLevel):
+            return bytes(_BYTE_OF_CHAR.get(char, 0) for char in piece)
+        byte = _BYTE_FALLBACK.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return self.backend.decode([token_id], skip_special_tokens=False).encode()
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template already holds any BOS token; adding special tokens again would double it.
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
@@ -59,3 +79,19 @@ def _check_messages(messages: object) -> None:
             raise InvalidRequestError(
                 f"messages[{i}] must have a string role and string content", param="messages"
             )
+        check_text(message["role"] + (message.get("content") or ""), f"messages[{i}]")
+
+
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest are shifted
+    past 255, so that every byte is one visible character."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    shown += range(ord("®"), ord("ÿ") + 1)
+    hidden = [b for b in range(256) if b not in shown]
+    mapping = {chr(b): b for b in shown}
+    mapping.update({chr(256 + i): b for i, b in enumerate(hidden)})
+    return mapping
+
+
+_BYTE_OF_CHAR = _byte_level_map()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")

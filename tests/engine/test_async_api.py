@@ -266,3 +266,62 @@ def test_adapters_are_never_read_on_the_engine_thread(tiny_llama, tiny_adapters,
     finally:
         engine.shutdown()
     assert threads and "loraplex-engine" not in threads
+
+
+def test_a_failed_step_ends_every_stream(tiny_llama):
+    """Fault injection: a step that fails after requests finished in it. Every caller gets an
+    end (its last delta or an error), nobody waits forever, and every page comes back."""
+    engine = make_engine(tiny_llama)
+    update = engine._engine.scheduler.update
+    failures = iter([RuntimeError("injected")])
+
+    def failing_update(out):
+        if any(item.seq.is_finished for item in out.scheduled):
+            error = next(failures, None)
+            if error is not None:
+                raise error
+        return update(out)
+
+    engine._engine.scheduler.update = failing_update
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    async def main():
+        return await asyncio.wait_for(
+            asyncio.gather(
+                collect(engine, "the river", short),
+                collect(engine, "a cat", long),
+                return_exceptions=True,
+            ),
+            timeout=20,
+        )
+
+    try:
+        results = asyncio.run(main())
+        assert all(
+            (isinstance(r, RequestFailedError) and r.code is ErrorCode.STEP_FAILED)
+            or isinstance(r, tuple)
+            for r in results
+        ), results
+        assert any(isinstance(r, RequestFailedError) for r in results)
+        assert len(asyncio.run(collect(engine, "old city"))[1]) == 8  # it keeps serving
+        stats = engine.stats()
+        assert stats.free_pages == stats.num_pages
+    finally:
+        engine.shutdown()
+
+
+def test_aclose_lets_streams_flow_while_it_drains(tiny_llama):
+    engine = make_engine(tiny_llama)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    async def main():
+        stream = asyncio.create_task(collect(engine, "the river", params))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await engine.aclose(grace_seconds=20)
+        return await stream, time.monotonic() - started
+
+    (_, tokens, _), took = asyncio.run(main())
+    assert len(tokens) == 60  # finished inside the grace period, while aclose waited
+    assert took < 15

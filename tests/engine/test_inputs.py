@@ -3,6 +3,8 @@ ValueError) naming the field; nothing else escapes, and the engine keeps serving
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -61,6 +63,7 @@ anything = st.recursive(
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=6)
+    | st.text(st.characters(categories=["Cs"]), min_size=1, max_size=2)  # lone surrogates
     | st.binary(max_size=4),
     lambda children: (
         st.lists(children, max_size=4)
@@ -159,3 +162,49 @@ def test_prompt_ending_inside_a_character_never_echoes_the_prompt(llm):
         pieces.append(detokenizer.take_new_text(final=False))
     pieces.append(detokenizer.take_new_text(final=True))
     assert "".join(pieces) == tokenizer.decode([emoji[3], *the]) == "\ufffd the"
+
+
+@pytest.mark.parametrize("where", ["prompt", "chat"])
+def test_a_lone_surrogate_is_refused(llm, where):
+    with pytest.raises(InvalidRequestError, match="not valid Unicode"):
+        if where == "prompt":
+            llm.engine.make_request("hello \ud800", SamplingParams())
+        else:
+            llm.tokenizer.encode_chat([{"role": "user", "content": "hi \udfff"}])
+
+
+def test_oversized_values_are_refused_by_name():
+    for options, param in (
+        ({"stop": ["x" * 1001]}, "stop"),
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+        ({"n": 10**5000}, "n"),
+    ):
+        with pytest.raises(InvalidRequestError) as error:
+            SamplingParams(**options)
+        assert error.value.param == param
+
+
+def test_stop_strings_and_textless_tokens_cost_the_same_at_every_step(tiny_tokenizer_dir):
+    """The detokenizer's work per token must not grow with the output: long stop strings, runs
+    of tokens that add no text, and stray bytes keep its decode window short."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json"))
+    windows = []
+    decode = tokenizer.decode
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens):
+            windows.append(len(ids))
+            return decode(ids, skip_special_tokens=skip_special_tokens)
+
+    special = tokenizer.token_to_id("<|im_end|>")
+    stray = _byte_token_ids(tokenizer, "😀")[3]  # a continuation byte on its own
+    stops = ["".join(chr(0x41 + (i + j) % 26) for j in range(1000)) for i in range(16)]
+    detokenizer = IncrementalDetokenizer(Counting(), [5, 6, 7], stops, True)
+    started = time.monotonic()
+    for i in range(3000):
+        detokenizer.add_token([special, stray, 300][i % 3] if i < 2000 else 300)
+        detokenizer.take_new_text(final=False)
+    assert max(windows) <= 16
+    assert time.monotonic() - started < 10  # was minutes before the stop automaton

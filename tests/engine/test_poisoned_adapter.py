@@ -37,6 +37,7 @@ def adapters(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("poison")
     k_adapter = build_adapter(tiny_llama, root / "k", rank=4, targets=("k_proj",), seed=7)
     return {
+        "k": k_adapter,
         "poison": poison_adapter(k_adapter, root / "poison"),
         "other": build_adapter(tiny_llama, root / "other", rank=8, targets=("q_proj", "v_proj")),
     }
@@ -125,11 +126,11 @@ def test_poisoned_prefill_beside_running_decodes_of_other_lengths(tiny_llama, ad
 
 def test_absurd_scale_is_refused_at_validation(tiny_llama, adapters, tmp_path):
     """The issue's own probe: lora_alpha 1e30 on a k_proj adapter."""
-    shutil.copytree(adapters["other"], tmp_path / "alpha")
+    shutil.copytree(adapters["k"], tmp_path / "alpha")  # targets k_proj, as in the issue
     config_path = tmp_path / "alpha" / "adapter_config.json"
     config = json.loads(config_path.read_text())
     config["lora_alpha"] = 1e30
     config_path.write_text(json.dumps(config))
     llm = make_llm(tiny_llama)
-    with pytest.raises(AdapterError, match=r"scale .* is 1.25e\+29; loraplex serves scales up to"):
+    with pytest.raises(AdapterError, match=r"scale .* is 2.5e\+29; loraplex serves scales up to"):
         llm.generate(["the river"], GREEDY, adapters=[str(tmp_path / "alpha")])

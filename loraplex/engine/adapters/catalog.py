@@ -8,6 +8,7 @@ a request.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -17,16 +18,21 @@ import torch
 
 from loraplex.engine.adapters.peft_format import LoRAWeights, load_peft_adapter
 from loraplex.engine.config import ModelConfig
+from loraplex.engine.errors import AdapterError, ErrorCode
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class AdapterRef:
     """What a sequence carries: the adapter's id and its validated host copy. A retired ref
     (`adapter_id` None) still serves the requests that hold it, but names no adapter: its
-    adapter was unloaded while they waited or ran."""
+    adapter was unloaded while they waited or ran. `generation` tells refs read before an
+    unload from those read after it."""
 
     adapter_id: str | None
     weights: LoRAWeights
+    generation: int = 0
 
     @property
     def content_hash(self) -> str:
@@ -50,6 +56,7 @@ class AdapterCatalog:
         self._budget = host_cache_bytes
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, tuple[str, LoRAWeights]] = OrderedDict()
+        self._generations: dict[str, int] = {}  # bumped when an id is forgotten (unloaded)
         self.num_disk_reads = 0
         self.disk_read_seconds = 0.0
 
@@ -64,7 +71,7 @@ class AdapterCatalog:
             self._cache[adapter_id] = (str(path), weights)
             self._cache.move_to_end(adapter_id)
             self._shrink()
-        return AdapterRef(adapter_id, weights)
+            return AdapterRef(adapter_id, weights, self._generations.get(adapter_id, 0))
 
     def cached(self, adapter_id: str, path: str) -> AdapterRef | None:
         """The host copy if it is cached under this path; never touches the disk."""
@@ -73,12 +80,21 @@ class AdapterCatalog:
             if hit is None or hit[0] != str(path):
                 return None
             self._cache.move_to_end(adapter_id)
-            return AdapterRef(adapter_id, hit[1])
+            return AdapterRef(adapter_id, hit[1], self._generations.get(adapter_id, 0))
 
     def read(self, path: str) -> LoRAWeights:
         """Read and validate from disk, caching nothing. Raises AdapterError."""
         started = time.perf_counter()
-        weights = load_peft_adapter(path, self._model, self.max_rank, self._dtype, self.roots)
+        try:
+            weights = load_peft_adapter(path, self._model, self.max_rank, self._dtype, self.roots)
+        except AdapterError:
+            raise
+        except Exception as error:  # a case the checks did not foresee: still the adapter's fault
+            logger.exception("reading adapter %s failed unexpectedly", path)
+            raise AdapterError(
+                f"the adapter at {str(path)[:200]} could not be read: {error}",
+                code=ErrorCode.ADAPTER_CORRUPT,
+            ) from None
         with self._lock:
             self.num_disk_reads += 1
             self.disk_read_seconds += time.perf_counter() - started
@@ -87,10 +103,16 @@ class AdapterCatalog:
     def forget(self, adapter_id: str) -> None:
         with self._lock:
             self._cache.pop(adapter_id, None)
+            self._generations[adapter_id] = self._generations.get(adapter_id, 0) + 1
 
-    def is_cached(self, adapter_id: str) -> bool:
+    def is_current(self, ref: AdapterRef) -> bool:
+        """False once the ref's id was forgotten after the ref was read."""
         with self._lock:
-            return adapter_id in self._cache
+            return ref.generation == self._generations.get(ref.adapter_id, 0)
+
+    def cached_ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._cache)
 
     def _shrink(self) -> None:
         total = sum(w.nbytes for _, w in self._cache.values())

@@ -134,6 +134,10 @@ class AdapterManager:
         skipped = pinned.get(besides.content_hash, 0) if besides is not None else 0
         return sum(pinned.values()) - skipped
 
+    def is_pinned(self, ref: AdapterRef) -> bool:
+        """Safe from any thread."""
+        return ref.content_hash in self._pinned
+
     def evictable_pages(self, keep: AdapterRef | None = None) -> int:
         kept = self.resident.get(keep.content_hash) if keep else None
         if kept is not None and kept.idle:
@@ -187,11 +191,11 @@ class AdapterManager:
         needed = self.pages_to_load(ref)
         if needed:
             self.free_up(needed, keep=ref)
-            if not self.pool.can_allocate(needed):
+            if not self.pool.can_allocate(needed):  # busy with requests now: retry later
                 raise AdapterError(
                     f"adapter {ref.adapter_id} needs {needed} pages to pin; "
-                    f"{self.pool.num_free} are free",
-                    code=ErrorCode.ADAPTER_TOO_LARGE,
+                    f"{self.pool.num_free} are free while requests run",
+                    code=ErrorCode.OVERLOADED,
                 )
             self._load(ref.weights)
         resident = self.resident[ref.content_hash]

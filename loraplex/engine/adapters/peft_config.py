@@ -1,22 +1,33 @@
 """adapter_config.json, read strictly: every field loraplex relies on has the type PEFT writes, and
 anything that would make loraplex serve the adapter differently from PEFT is refused.
+
+Which modules carry LoRA follows PEFT's own rules (`check_target_module_exists` in PEFT 0.21):
+`target_modules` as a list matches a module's name or its dotted suffix, as a string it is a
+regular expression over the module's full path (or "all-linear"), null means the architecture's
+defaults (q_proj and v_proj for every model loraplex runs); `exclude_modules` removes modules the
+same way; `layers_to_transform` keeps only those layers (an empty list keeps all). Patterns come
+from tenants, so they run with the `regex` package under a time limit, never unbounded.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplex.engine.errors import AdapterError, ErrorCode
+import regex
+
+from loraplex.engine.errors import AdapterError, ErrorCode, shown
 
 CONFIG_FILE = "adapter_config.json"
 # An adapter's scale (lora_alpha / r, or / sqrt(r) with rsLoRA) above this is refused: published
 # adapters stay below a few hundred, and a scale like 1e30 only serves to overflow activations.
 MAX_LORA_SCALE = 1e4
+MAX_RANK_IN_CONFIG = 1 << 16  # far above any servable rank; bounds the arithmetic below
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's default when the file leaves lora_alpha out
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's defaults for Llama, Mistral and Qwen2
+PATTERN_SECONDS = 0.01  # per module path: a pattern slower than this is refused
 
 # PEFT options that change what the weights mean: served wrongly if ignored, so refused.
 _UNSUPPORTED_OPTIONS = {
@@ -37,14 +48,18 @@ _UNSUPPORTED_OPTIONS = {
     "monteclora_config": "monteclora_config",
 }
 
+Modules = tuple[str, ...] | str  # names, or one regular expression
+
 
 @dataclass(frozen=True)
 class AdapterConfig:
     rank: int
     alpha: float
     use_rslora: bool
-    target_modules: tuple[str, ...] | str | None  # names, or PEFT's regex / "all-linear"
+    target_modules: Modules
+    exclude_modules: Modules | None
     layers: frozenset[int] | None  # layers_to_transform; None = every layer
+    _decisions: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def scale(self) -> float:
@@ -54,41 +69,66 @@ class AdapterConfig:
         """Whether PEFT puts LoRA on `module_path` (e.g. model.layers.3.self_attn.q_proj)."""
         if self.layers is not None and layer not in self.layers:
             return False
-        targets = self.target_modules
-        if targets is None or targets == "all-linear":
-            return True
-        if isinstance(targets, str):
-            return re.fullmatch(targets, module_path) is not None
-        return any(module_path == t or module_path.endswith(f".{t}") for t in targets)
+        decision = self._decisions.get(module_path)
+        if decision is None:
+            excluded = self.exclude_modules is not None and _matches(
+                self.exclude_modules, module_path, "exclude_modules"
+            )
+            decision = not excluded and (
+                self.target_modules == "all-linear"
+                or _matches(self.target_modules, module_path, "target_modules")
+            )
+            self._decisions[module_path] = decision
+        return decision
 
     def meaning(self) -> dict:
         """The fields that change the served output (part of the content hash)."""
         return {"r": self.rank, "lora_alpha": self.alpha, "use_rslora": self.use_rslora}
 
 
+def _matches(modules: Modules, path: str, name: str) -> bool:
+    if not isinstance(modules, str):
+        return any(path == m or path.endswith(f".{m}") for m in modules)
+    try:
+        return regex.fullmatch(modules, path, timeout=PATTERN_SECONDS, concurrent=True) is not None
+    except TimeoutError:
+        raise AdapterError(
+            f"{CONFIG_FILE}: the {name} pattern takes too long to match a module name",
+            code=ErrorCode.ADAPTER_UNSUPPORTED,
+        ) from None
+
+
 def read_config(directory: Path, modules: tuple[str, ...]) -> AdapterConfig:
     raw = _load_json(directory / CONFIG_FILE)
     _refuse_unsupported(raw, modules)
     rank = raw.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise _invalid(f"r must be a positive integer, got {rank!r}")
+    if not _is_int(rank) or not 1 <= rank <= MAX_RANK_IN_CONFIG:
+        raise _invalid(f"r must be a positive integer, got {shown(rank)}")
     alpha = raw.get("lora_alpha", PEFT_DEFAULT_ALPHA)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise _invalid(f"lora_alpha must be a finite number, got {alpha!r}")
+    if _finite(alpha) is None:
+        raise _invalid(f"lora_alpha must be a finite number, got {shown(alpha)}")
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
-        raise _invalid(f"use_rslora must be true or false, got {use_rslora!r}")
+        raise _invalid(f"use_rslora must be true or false, got {shown(use_rslora)}")
+    targets = _modules(raw.get("target_modules"), "target_modules") or PEFT_DEFAULT_TARGETS
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        targets = "all-linear"
+    layers = _layers(raw.get("layers_to_transform"))
+    if isinstance(targets, str) and targets != "all-linear" and layers is not None:
+        raise _invalid("layers_to_transform cannot be used with a target_modules pattern (PEFT)")
     config = AdapterConfig(
         rank=rank,
-        alpha=float(alpha),
+        alpha=_finite(alpha),
         use_rslora=use_rslora,
-        target_modules=_target_modules(raw.get("target_modules")),
-        layers=_layers(raw.get("layers_to_transform")),
+        target_modules=targets,
+        exclude_modules=_modules(raw.get("exclude_modules"), "exclude_modules"),
+        layers=layers,
     )
     if abs(config.scale) > MAX_LORA_SCALE:
         raise _invalid(
-            f"the adapter's scale (lora_alpha {alpha} / {'sqrt(r)' if use_rslora else 'r'}, "
-            f"r={rank}) is {config.scale:.3g}; loraplex serves scales up to {MAX_LORA_SCALE:g}"
+            f"the adapter's scale (lora_alpha {config.alpha:g} / "
+            f"{'sqrt(r)' if use_rslora else 'r'}, r={rank}) is {config.scale:.3g}; loraplex "
+            f"serves scales up to {MAX_LORA_SCALE:g}"
         )
     return config
 
@@ -97,14 +137,34 @@ def _invalid(message: str) -> AdapterError:
     return AdapterError(f"{CONFIG_FILE}: {message}", code=ErrorCode.ADAPTER_CORRUPT)
 
 
-def _load_json(path: Path) -> dict:
-    if not path.is_file():
-        raise AdapterError(f"{path.parent} has no {CONFIG_FILE}", code=ErrorCode.ADAPTER_CORRUPT)
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: object) -> float | None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
     try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
         raise AdapterError(
-            f"{path} is not valid JSON: {error}", code=ErrorCode.ADAPTER_CORRUPT
+            f"{path.parent} has no {CONFIG_FILE}", code=ErrorCode.ADAPTER_CORRUPT
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise AdapterError(f"{path} cannot be read: {error}", ErrorCode.ADAPTER_CORRUPT) from None
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as error:  # bad JSON, absurd numbers or nesting
+        raise AdapterError(
+            f"{path} is not valid JSON: {str(error)[:200]}", code=ErrorCode.ADAPTER_CORRUPT
         ) from None
     if not isinstance(raw, dict):
         raise _invalid(f"must hold a JSON object, got {type(raw).__name__}")
@@ -117,39 +177,38 @@ def _refuse_unsupported(raw: dict, modules: tuple[str, ...]) -> None:
 
     peft_type = raw.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise unsupported(f"adapter type {peft_type!r} is not supported (LORA only)")
+        raise unsupported(f"adapter type {shown(peft_type)} is not supported (LORA only)")
     for option, label in _UNSUPPORTED_OPTIONS.items():
         if raw.get(option):
             raise unsupported(f"{label} is not supported")
     if raw.get("bias", "none") != "none":
-        raise unsupported(f"bias={raw['bias']!r} is not supported (bias='none' only)")
-    targets = _target_modules(raw.get("target_modules"))
+        raise unsupported(f"bias={shown(raw['bias'])} is not supported (bias='none' only)")
+    if raw.get("layers_pattern") not in (None, "layers", ["layers"]):
+        raise unsupported(f"layers_pattern {shown(raw['layers_pattern'])} is not supported")
+    targets = _modules(raw.get("target_modules"), "target_modules")
     for module in [targets] if isinstance(targets, str) else targets or ():
         if module in ("embed_tokens", "lm_head"):
             raise unsupported(f"LoRA on {module} is not supported; supported: {', '.join(modules)}")
 
 
-def _target_modules(value: object) -> tuple[str, ...] | str | None:
+def _modules(value: object, name: str) -> Modules | None:
     if value is None:
         return None
     if isinstance(value, str):
         try:
-            re.compile(value)
-        except re.error as error:
-            raise _invalid(f"target_modules {value!r} is not a valid pattern: {error}") from None
+            regex.compile(value)
+        except regex.error as error:
+            raise _invalid(f"{name} {shown(value)} is not a valid pattern: {error}") from None
         return value
     if isinstance(value, list) and all(isinstance(m, str) for m in value):
         return tuple(value)
-    raise _invalid(f"target_modules must be a list of module names or a pattern, got {value!r}")
+    raise _invalid(f"{name} must be a list of module names or a pattern, got {shown(value)}")
 
 
 def _layers(value: object) -> frozenset[int] | None:
     if value is None:
         return None
-    items = [value] if isinstance(value, int) else value
-    ok = isinstance(items, list) and all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items
-    )
-    if not ok:
-        raise _invalid(f"layers_to_transform must be layer indices, got {value!r}")
-    return frozenset(items)
+    items = [value] if _is_int(value) else value
+    if not isinstance(items, list) or not all(_is_int(i) and i >= 0 for i in items):
+        raise _invalid(f"layers_to_transform must be layer indices, got {shown(value)}")
+    return frozenset(items) or None  # PEFT: an empty list means every layer

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 
 from loraplex.engine.adapters.peft_config import CONFIG_FILE, AdapterConfig, read_config
 from loraplex.engine.config import ModelConfig
@@ -63,7 +64,14 @@ def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
 
 def resolve_adapter_path(path: str | Path, roots: tuple[str, ...] | None) -> Path:
     """The real path of an adapter directory, which must lie inside one of `roots` (if set)."""
-    real = Path(os.path.realpath(Path(path).expanduser()))
+    try:
+        real = Path(os.path.realpath(Path(path).expanduser()))
+        is_dir = real.is_dir()
+    except (OSError, ValueError) as error:  # a NUL byte, a name too long, ...
+        raise AdapterError(
+            f"adapter path {str(path)[:200]!r} is not a usable path: {error}",
+            code=ErrorCode.ADAPTER_NOT_FOUND,
+        ) from None
     if roots is not None:
         allowed = [Path(os.path.realpath(Path(r).expanduser())) for r in roots]
         if not any(real == root or root in real.parents for root in allowed):
@@ -71,7 +79,7 @@ def resolve_adapter_path(path: str | Path, roots: tuple[str, ...] | None) -> Pat
                 f"adapter path {path} is outside the configured adapter roots",
                 code=ErrorCode.ADAPTER_OUTSIDE_ROOTS,
             )
-    if not real.is_dir():
+    if not is_dir:
         raise AdapterError(
             f"adapter path {path} is not a directory", code=ErrorCode.ADAPTER_NOT_FOUND
         )
@@ -89,10 +97,11 @@ def load_peft_adapter(
     directory = resolve_adapter_path(path, roots)
     config = read_config(directory, MODULES)
     weights_path = _weights_file(directory)
-    a, b = _read_tensors(weights_path, model, config, dtype)
+    data = _read_bytes(weights_path)  # one read: the weights served are the bytes hashed
+    a, b = _read_tensors(weights_path, data, model, config, dtype)
     _check_rank(a, b, config.rank, max_rank)
     return LoRAWeights(
-        content_hash=_content_hash(config, weights_path),
+        content_hash=_content_hash(config, data),
         rank=config.rank,
         scale=config.scale,
         a=a,
@@ -113,24 +122,33 @@ def _weights_file(directory: Path) -> Path:
     raise AdapterError(f"{directory} has no {WEIGHTS_FILE}", code=ErrorCode.ADAPTER_CORRUPT)
 
 
-def _read_tensors(path: Path, model: ModelConfig, config: AdapterConfig, dtype: torch.dtype):
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise AdapterError(f"{path} cannot be read: {error}", ErrorCode.ADAPTER_CORRUPT) from None
+
+
+def _read_tensors(
+    path: Path, data: bytes, model: ModelConfig, config: AdapterConfig, dtype: torch.dtype
+):
     a: dict[tuple[int, str], torch.Tensor] = {}
     b: dict[tuple[int, str], torch.Tensor] = {}
     try:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                layer, module, kind = _parse_name(name, model, config)
-                tensor = _served(name, f.get_tensor(name), dtype)
-                _check_shape(name, tensor, model, module, kind)
-                if kind == "A":
-                    a[(layer, module)] = tensor.contiguous()
-                else:
-                    b[(layer, module)] = tensor.t().contiguous()
-    except (SafetensorError, OSError, RuntimeError) as error:
+        tensors = load_safetensors(data)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as error:
         raise AdapterError(
             f"{path} is not a readable safetensors file (corrupt or truncated?): {error}",
             code=ErrorCode.ADAPTER_CORRUPT,
         ) from None
+    for name, raw in sorted(tensors.items()):
+        layer, module, kind = _parse_name(name, model, config)
+        tensor = _served(name, raw, dtype)
+        _check_shape(name, tensor, model, module, kind)
+        if kind == "A":
+            a[(layer, module)] = tensor.contiguous()
+        else:
+            b[(layer, module)] = tensor.t().contiguous()
     if not a:
         raise AdapterError(f"{path} holds no LoRA weights", code=ErrorCode.ADAPTER_CORRUPT)
     if a.keys() != b.keys():
@@ -209,9 +227,14 @@ def _check_shape(
     name: str, tensor: torch.Tensor, model: ModelConfig, module: str, kind: str
 ) -> None:
     in_features, out_features = module_shape(model, module)
+    if tensor.dim() != 2:
+        raise AdapterError(
+            f"adapter tensor {name} has shape {tuple(tensor.shape)}; LoRA weights are matrices",
+            code=ErrorCode.ADAPTER_CORRUPT,
+        )
     rank = tensor.shape[0] if kind == "A" else tensor.shape[-1]
     expected = (rank, in_features) if kind == "A" else (out_features, rank)
-    if tensor.dim() != 2 or tuple(tensor.shape) != expected:
+    if tuple(tensor.shape) != expected:
         raise AdapterError(
             f"adapter tensor {name} has shape {tuple(tensor.shape)}; the base model needs "
             f"{expected}: is the adapter for another base model?",
@@ -293,10 +316,8 @@ def random_peft_adapter(
     return save_peft_adapter(out_dir, lora_a, lora_b, lora_alpha=2 * rank)
 
 
-def _content_hash(config: AdapterConfig, weights_path: Path) -> str:
+def _content_hash(config: AdapterConfig, weights: bytes) -> str:
     digest = hashlib.sha256()
     digest.update(json.dumps(config.meaning(), sort_keys=True).encode())
-    with weights_path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    digest.update(weights)
     return digest.hexdigest()

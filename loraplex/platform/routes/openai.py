@@ -1,0 +1,407 @@
+"""OpenAI's routes: chat completions, legacy completions, models."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from loraplex.engine.api import AsyncEngine, InvalidRequestError
+from loraplex.platform import openai_schema as oa
+from loraplex.platform import registry
+from loraplex.platform.calls import Call, ClientDisconnected, cancelled_on_disconnect
+from loraplex.platform.completions import (
+    DONE,
+    chat_logprobs,
+    choice_index,
+    collect,
+    deltas,
+    finish_reason,
+    legacy_logprobs,
+    sse,
+    sse_error,
+    start,
+    usage,
+)
+from loraplex.platform.deps import CallerDep, PlatformDep
+from loraplex.platform.errors import (
+    APIError,
+    invalid_request,
+    model_not_found,
+    unsupported_field,
+    validation_error,
+)
+from loraplex.platform.sampling import refuse_unsupported, sampling_params
+from loraplex.platform.state import Platform
+
+router = APIRouter(tags=["openai"])
+BODY_MODELS = (oa.ChatCompletionRequest, oa.CompletionRequest)  # described in the OpenAPI
+EVENT_STREAM = "text/event-stream"
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection
+# Chats this short are put through the template on the event loop (a fraction of a millisecond);
+# longer ones on a worker thread.
+INLINE_CHAT_CHARACTERS = 4096
+
+
+@asynccontextmanager
+async def ending_on_error(call: Call):
+    """Whatever escapes ends the call with its status (and carries the rate-limit headers)."""
+    try:
+        yield
+    except APIError as error:
+        await call.finish(error.status)
+        error.headers = {**call.headers, **error.headers}
+        raise
+    except (asyncio.CancelledError, ClientDisconnected):
+        await call.finish(CLIENT_GONE)
+        raise
+    except Exception:
+        await call.finish(500)
+        raise
+
+
+def json_body(model: type[BaseModel]) -> dict:
+    """The OpenAPI description of a body the route parses itself (see app.openapi_models)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as error:
+        raise validation_error(error.errors(include_url=False)) from None
+
+
+def json_reply(reply, call: Call) -> Response:
+    return Response(reply.model_dump_json(), media_type="application/json", headers=call.headers)
+
+
+# -- chat ------------------------------------------------------------------------------------
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=oa.ChatCompletion,
+    openapi_extra=json_body(oa.ChatCompletionRequest),
+)
+async def chat_completions(request: Request):
+    """Parsed by hand rather than through FastAPI's dependencies: the hot path, kept short."""
+    platform: Platform = request.app.state.platform
+    engine = platform.require_engine()
+    caller = await platform.directory.authenticate(request.headers.get("authorization"))
+    body = await parse_body(request, oa.ChatCompletionRequest)
+    call = Call(platform, caller, body.model, "chatcmpl")
+    async with ending_on_error(call):
+        refuse_unsupported(body)
+        params = sampling_params(body)
+        target = await platform.directory.resolve(caller, body.model)
+        call.adapter_id = target.adapter_id
+        prompt = await _encode_chat(engine, body.messages)
+        await call.admit(len(prompt) + (params.max_tokens or 0))
+        if body.stream:
+            async with cancelled_on_disconnect(request):
+                primed = await start(engine, call, [prompt], params, target.lora)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _chat_stream(engine, call, primed, include_usage, platform.fingerprint)
+            return StreamingResponse(stream, media_type=EVENT_STREAM, headers=call.headers)
+        async with cancelled_on_disconnect(request):
+            reply = await _chat_reply(
+                engine, call, prompt, params, target.lora, platform.fingerprint
+            )
+        await call.finish(200)
+        return json_reply(reply, call)
+
+
+async def _chat_reply(engine, call, prompt, params, lora, fingerprint) -> oa.ChatCompletion:
+    primed = await start(engine, call, [prompt], params, lora)
+    choices = await collect(call, primed, params.n)
+    return oa.ChatCompletion(
+        id=call.id,
+        created=call.created,
+        model=call.model,
+        system_fingerprint=fingerprint,
+        choices=[
+            oa.ChatChoice(
+                index=i,
+                message=oa.AssistantMessage(content=state.text),
+                logprobs=chat_logprobs(engine, state.logprobs)
+                if params.logprobs is not None
+                else None,
+                finish_reason=state.finish_reason,
+            )
+            for i, state in choices.items()
+        ],
+        usage=usage(call),
+    )
+
+
+async def _encode_chat(engine: AsyncEngine, messages: list[oa.ChatMessage]) -> list[int]:
+    conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+    try:
+        if sum(len(m["content"]) for m in conversation) <= INLINE_CHAT_CHARACTERS:
+            return engine.encode_chat(conversation)
+        return await asyncio.to_thread(engine.encode_chat, conversation)
+    except InvalidRequestError as error:
+        raise invalid_request(str(error), param="messages") from None
+
+
+def _template_message(index: int, message: oa.ChatMessage) -> dict:
+    where = f"messages[{index}]"
+    for field in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        if getattr(message, field):
+            raise unsupported_field(f"{where}.{field}", "tool calls and audio are not served yet")
+    if message.role == "tool":
+        raise unsupported_field(f"{where}.role", "tool messages are not served yet")
+    content = message.content
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise unsupported_field(f"{where}.content[{j}].type", "only text parts are served")
+        content = "".join(part.text for part in content)
+    # templates know system, user and assistant; OpenAI's developer role is the system's
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": content or ""}
+
+
+async def _chat_stream(
+    engine: AsyncEngine, call: Call, primed, include_usage: bool, fingerprint: str
+) -> AsyncIterator[str]:
+    def chunk(choices, usage_=None) -> str:
+        return sse(
+            oa.ChatCompletionChunk(
+                id=call.id,
+                created=call.created,
+                model=call.model,
+                system_fingerprint=fingerprint,
+                choices=choices,
+                usage=usage_,
+            )
+        )
+
+    status, started = 200, set()
+    try:
+        async for _, delta in deltas(primed):
+            for out in delta.outputs:
+                call.completion_tokens += len(out.token_ids)
+                if out.index not in started:
+                    started.add(out.index)
+                    role = oa.ChatDelta(role="assistant", content="")
+                    yield chunk([oa.ChunkChoice(index=out.index, delta=role)])
+                if out.text or out.logprobs:
+                    logprobs = chat_logprobs(engine, out.logprobs) if out.logprobs else None
+                    content = oa.ChatDelta(content=out.text)
+                    yield chunk([oa.ChunkChoice(index=out.index, delta=content, logprobs=logprobs)])
+                if finish_reason(out.finish_reason):
+                    end = oa.ChunkChoice(
+                        index=out.index,
+                        delta=oa.ChatDelta(),
+                        finish_reason=finish_reason(out.finish_reason),
+                    )
+                    yield chunk([end])
+        if include_usage:
+            yield chunk([], usage(call))
+        yield DONE
+    except APIError as error:
+        status = error.status
+        yield sse_error(error)
+        yield DONE
+    except asyncio.CancelledError:
+        status = CLIENT_GONE
+        raise
+    finally:
+        await call.finish(status)
+
+
+# -- legacy completions ----------------------------------------------------------------------
+
+
+@router.post(
+    "/v1/completions", response_model=oa.Completion, openapi_extra=json_body(oa.CompletionRequest)
+)
+async def completions(request: Request):
+    platform: Platform = request.app.state.platform
+    engine = platform.require_engine()
+    caller = await platform.directory.authenticate(request.headers.get("authorization"))
+    body = await parse_body(request, oa.CompletionRequest)
+    call = Call(platform, caller, body.model, "cmpl")
+    async with ending_on_error(call):
+        refuse_unsupported(body)
+        params = sampling_params(body)
+        if body.echo and params.logprobs is not None:
+            raise unsupported_field("echo", "echo with logprobs (prompt logprobs) is not served")
+        target = await platform.directory.resolve(caller, body.model)
+        call.adapter_id = target.adapter_id
+        try:
+            texts, prompts = await asyncio.to_thread(_prompts, engine, body.prompt)
+        except InvalidRequestError as error:
+            raise invalid_request(str(error), param="prompt") from None
+        estimate = sum(len(p) for p in prompts) + (params.max_tokens or 0) * len(prompts)
+        await call.admit(estimate)
+        echoes = texts if body.echo else [""] * len(prompts)
+        if body.stream:
+            async with cancelled_on_disconnect(request):
+                primed = await start(engine, call, prompts, params, target.lora)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = _completion_stream(
+                engine, call, primed, params.n, echoes, include_usage, platform.fingerprint
+            )
+            return StreamingResponse(stream, media_type=EVENT_STREAM, headers=call.headers)
+        async with cancelled_on_disconnect(request):
+            reply = await _completion_reply(
+                engine, call, prompts, params, target.lora, echoes, platform
+            )
+        await call.finish(200)
+        return json_reply(reply, call)
+
+
+async def _completion_reply(engine, call, prompts, params, lora, echoes, platform):
+    primed = await start(engine, call, prompts, params, lora)
+    choices = await collect(call, primed, params.n)
+    return oa.Completion(
+        id=call.id,
+        created=call.created,
+        model=call.model,
+        system_fingerprint=platform.fingerprint,
+        choices=[
+            oa.CompletionChoice(
+                index=i,
+                text=echoes[i // params.n] + state.text,
+                logprobs=legacy_logprobs(engine, state.logprobs, 0)
+                if params.logprobs is not None
+                else None,
+                finish_reason=state.finish_reason,
+            )
+            for i, state in choices.items()
+        ],
+        usage=usage(call),
+    )
+
+
+def _prompts(engine: AsyncEngine, prompt: oa.Prompt) -> tuple[list[str], list[list[int]]]:
+    """-> (each prompt's text, its token ids)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise invalid_request("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    if isinstance(prompt[0], str):
+        if any(not text for text in prompt):
+            raise invalid_request("prompt must not be empty", param="prompt")
+        return list(prompt), [engine.encode(text) for text in prompt]
+    if any(not ids for ids in prompt):
+        raise invalid_request("prompt must not be empty", param="prompt")
+    texts = [
+        b"".join(engine.token_bytes(t) for t in ids).decode(errors="replace") for ids in prompt
+    ]
+    return texts, [list(ids) for ids in prompt]
+
+
+def _decode(engine: AsyncEngine, token_ids: list[int]) -> str:
+    return b"".join(engine.token_bytes(t) for t in token_ids).decode(errors="replace")
+
+
+async def _completion_stream(
+    engine: AsyncEngine,
+    call: Call,
+    primed,
+    n: int,
+    echoes: list[str],
+    include_usage: bool,
+    fingerprint: str,
+) -> AsyncIterator[str]:
+    def chunk(choices, usage_=None) -> str:
+        return sse(
+            oa.Completion(
+                id=call.id,
+                created=call.created,
+                model=call.model,
+                system_fingerprint=fingerprint,
+                choices=choices,
+                usage=usage_,
+            )
+        )
+
+    status, started, offsets = 200, set(), {}
+    try:
+        async for prompt_index, delta in deltas(primed):
+            for out in delta.outputs:
+                index = choice_index(prompt_index, out.index, n)
+                call.completion_tokens += len(out.token_ids)
+                text = out.text
+                if index not in started:
+                    started.add(index)
+                    text = echoes[prompt_index] + text
+                logprobs = None
+                if out.logprobs:
+                    logprobs = legacy_logprobs(engine, out.logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(map(len, logprobs.tokens))
+                reason = finish_reason(out.finish_reason)
+                if text or logprobs or reason:
+                    choice = oa.CompletionChoice(
+                        index=index, text=text, logprobs=logprobs, finish_reason=reason
+                    )
+                    yield chunk([choice])
+        if include_usage:
+            yield chunk([], usage(call))
+        yield DONE
+    except APIError as error:
+        status = error.status
+        yield sse_error(error)
+        yield DONE
+    except asyncio.CancelledError:
+        status = CLIENT_GONE
+        raise
+    finally:
+        await call.finish(status)
+
+
+# -- models ----------------------------------------------------------------------------------
+
+
+@router.get("/v1/models", response_model=oa.ModelList)
+async def list_models(caller: CallerDep, platform: PlatformDep) -> oa.ModelList:
+    adapters = await platform.db.run(lambda s: registry.visible_adapters(s, caller.tenant_id))
+    return oa.ModelList(
+        data=[_base_card(platform)] + [_adapter_card(platform, caller, a) for a in adapters]
+    )
+
+
+@router.get("/v1/models/{model:path}", response_model=oa.ModelCard)
+async def get_model(model: str, caller: CallerDep, platform: PlatformDep) -> oa.ModelCard:
+    if model == platform.base_model:
+        return _base_card(platform)
+    adapter = await platform.db.run(lambda s: registry.visible_adapter(s, caller.tenant_id, model))
+    if adapter is None:
+        raise model_not_found(model)
+    return _adapter_card(platform, caller, adapter)
+
+
+def _base_card(platform: Platform) -> oa.ModelCard:
+    return oa.ModelCard(
+        id=platform.base_model,
+        created=int(platform.started_at),
+        owned_by="loraplex",
+        root=platform.base_model,
+        max_model_len=platform.engine.model_info().max_model_len,
+    )
+
+
+def _adapter_card(platform: Platform, caller, adapter) -> oa.ModelCard:
+    return oa.ModelCard(
+        id=adapter.name,
+        created=int(adapter.created_at),
+        owned_by="shared" if adapter.shared else caller.tenant_name,
+        parent=platform.base_model,
+        root=platform.base_model,
+        max_model_len=platform.engine.model_info().max_model_len,
+    )

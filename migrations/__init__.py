@@ -1,0 +1,1 @@
+"""Alembic migrations of the registry (shipped in the wheel as `loraplex.migrations`)."""
