@@ -23,7 +23,8 @@ class TokenizerWrapper:
         self.backend: Tokenizer = backend
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        # The Rust tokenizer directly: what transformers' encode does, minus its Python layers.
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -11,7 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import case, func, or_, select
+from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -20,6 +20,7 @@ from loraplex.platform.db.models import (
     Adapter,
     ApiKey,
     AuditEntry,
+    RegistryRevision,
     Tenant,
     Usage,
 )
@@ -278,7 +279,15 @@ def usage_series(
 def audit(
     session: Session, action: str, target_id: str | None, detail: dict, actor: str = "admin"
 ) -> None:
+    """Record an admin change; every change passes here, so this also bumps the revision that
+    other server processes watch (same transaction: they see the change and the bump together)."""
     session.add(AuditEntry(action=action, target_id=target_id, detail=detail, actor=actor))
+    session.execute(update(RegistryRevision).values(value=RegistryRevision.value + 1))
+
+
+def revision(session: Session) -> int:
+    """How many changes the registry has committed (see tenancy.Directory.watch)."""
+    return session.scalar(select(RegistryRevision.value)) or 0
 
 
 def list_audit(session: Session, limit: int = 100) -> list[AuditEntry]:

@@ -66,7 +66,9 @@ class Settings(BaseSettings):
     dev_mode: bool = False  # allows a weak admin token
     max_waiting_requests: int = Field(256, ge=1)  # beyond: 503 at once
     usage_flush_seconds: float = Field(0.5, gt=0)
-    auth_cache_seconds: float = Field(0.5, ge=0, lt=1)  # revocations apply within this
+    # how often each process checks the registry for changes made elsewhere (revoked keys,
+    # disabled tenants, deleted adapters apply everywhere within this; at most 0.5 s)
+    registry_poll_seconds: float = Field(0.25, gt=0, le=0.5)
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     log_level: str = "info"
     engine: EngineSettings = EngineSettings()

@@ -70,7 +70,8 @@ class Platform:
         self.base_model = served_model_name(settings)
         self.db = Database(settings.database)
         await asyncio.to_thread(migrate.upgrade, settings.database)
-        self.directory = Directory(self.db, self.base_model, settings.auth_cache_seconds)
+        self.directory = Directory(self.db, self.base_model, settings.registry_poll_seconds)
+        self.directory.start()
         self.limiter = make_limiter(settings.redis_url)
         self.usage = UsageWriter(self.db, settings.usage_flush_seconds)
         self.usage.start()
@@ -99,6 +100,8 @@ class Platform:
             await asyncio.to_thread(self.engine.shutdown, self.settings.shutdown_grace_seconds)
         if self.usage is not None:
             await self.usage.close()
+        if self.directory is not None:
+            await self.directory.close()
         if self.limiter is not None:
             await self.limiter.close()
         if self.db is not None:

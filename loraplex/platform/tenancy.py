@@ -1,16 +1,26 @@
 """Who is calling (API key -> tenant) and what `model` means to them (base model or adapter).
 
-Both answers are cached for at most `ttl` seconds (under a second): a revoked key, a disabled
-tenant or a deleted adapter is refused by every server process within that time, and at once by
-the process that made the change (it clears its caches). Misses are cached too, so that unknown
-keys and names cost a database query at most once per `ttl`.
+Both answers are cached in memory, so that the hot path does not touch the database, and kept
+honest by a watcher: every registry change bumps one revision counter in the database (see
+registry.audit), each server process polls it every `poll_seconds` and drops its caches when it
+moves. So a revoked key, a disabled tenant or a deleted adapter is refused by every process
+within one poll, and at once by the process that made the change (it calls `forget`). If the
+watcher cannot read the revision, cached answers stop being used after two missed polls and
+every request asks the database. Misses are cached too: an unknown key or name costs a query
+once per change, not once per request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from sqlalchemy.orm import Session
 
 from loraplex.engine.api import LoRARequest
 from loraplex.platform import registry
@@ -18,7 +28,9 @@ from loraplex.platform.db.models import Adapter
 from loraplex.platform.db.session import Database
 from loraplex.platform.errors import APIError, invalid_api_key, model_not_found
 
+logger = logging.getLogger(__name__)
 _MISSING = object()
+MAX_CACHED = 100_000  # per cache; past it the cache starts over (a flood of unknown keys)
 
 
 @dataclass(frozen=True)
@@ -39,37 +51,59 @@ class Target:
     lora: LoRARequest | None
 
 
-class TtlCache:
-    def __init__(self, ttl: float) -> None:
-        self.ttl = ttl
-        self._entries: dict[Any, tuple[float, Any]] = {}
-
-    def get(self, key) -> Any:
-        entry = self._entries.get(key)
-        if entry is None or entry[0] < time.monotonic():
-            return _MISSING
-        return entry[1]
-
-    def put(self, key, value) -> None:
-        if len(self._entries) > 100_000:
-            self._entries.clear()
-        self._entries[key] = (time.monotonic() + self.ttl, value)
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
 class Directory:
-    def __init__(self, db: Database, base_model: str, ttl: float) -> None:
+    def __init__(self, db: Database, base_model: str, poll_seconds: float) -> None:
         self.db = db
         self.base_model = base_model
-        self._callers = TtlCache(ttl)
-        self._targets = TtlCache(ttl)
+        self.poll_seconds = poll_seconds
+        self._callers: dict[str, Any] = {}
+        self._targets: dict[tuple[str, str], Any] = {}
+        self._epoch = 0  # bumped each time the caches are dropped
+        self._revision: int | None = None
+        self._confirmed_at = float("-inf")  # when the watcher last read the revision
+        self._watcher: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._watcher = asyncio.create_task(self._watch(), name="registry-watcher")
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
 
     def forget(self) -> None:
         """Drop every cached answer (after an admin change in this process)."""
         self._callers.clear()
         self._targets.clear()
+        self._epoch += 1
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                revision = await self.db.run(registry.revision)
+            except Exception as error:  # the database is away: lookups go to it (and fail)
+                logger.warning("cannot read the registry revision: %s", error)
+            else:
+                if revision != self._revision:
+                    self.forget()
+                    self._revision = revision
+                self._confirmed_at = time.monotonic()
+            await asyncio.sleep(self.poll_seconds)
+
+    async def _lookup(self, cache: dict, key, query: Callable[[Session], Any]) -> Any:
+        if time.monotonic() - self._confirmed_at < 2 * self.poll_seconds:
+            found = cache.get(key, _MISSING)
+            if found is not _MISSING:
+                return found
+        epoch = self._epoch
+        found = await self.db.run(query)
+        # A change seen while the query ran may have come after it read: keep nothing then.
+        if epoch == self._epoch:
+            if len(cache) >= MAX_CACHED:
+                cache.clear()
+            cache[key] = found
+        return found
 
     async def authenticate(self, authorization: str | None) -> Caller:
         """Raises APIError: 401 for a missing, unknown or revoked key; 403 for a disabled
@@ -83,10 +117,7 @@ class Directory:
                 code="missing_api_key",
             )
         key_hash = registry.hash_key(secret)
-        found = self._callers.get(key_hash)
-        if found is _MISSING:
-            found = await self.db.run(lambda s: _caller(s, key_hash))
-            self._callers.put(key_hash, found)
+        found = await self._lookup(self._callers, key_hash, lambda s: _caller(s, key_hash))
         if found is None:
             raise invalid_api_key()
         if found == "disabled":
@@ -97,11 +128,10 @@ class Directory:
         """Raises APIError 404 (the same for another tenant's adapter as for a missing one)."""
         if model == self.base_model:
             return Target(model, None, None)
-        cache_key = (caller.tenant_id, model)
-        adapter = self._targets.get(cache_key)
-        if adapter is _MISSING:
-            adapter = await self.db.run(lambda s: _adapter(s, caller.tenant_id, model))
-            self._targets.put(cache_key, adapter)
+        tenant_id = caller.tenant_id
+        adapter = await self._lookup(
+            self._targets, (tenant_id, model), lambda s: _adapter(s, tenant_id, model)
+        )
         if adapter is None:
             raise model_not_found(model)
         return Target(model, adapter.id, LoRARequest(adapter.id, adapter.storage_path))

@@ -1,4 +1,4 @@
-"""The initial registry: tenants, API keys, adapters, usage, audit log.
+"""The initial registry: tenants, API keys, adapters, usage, audit log, registry revision.
 
 Revision ID: 0001
 Revises:
@@ -101,8 +101,15 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name="pk_audit_log"),
     )
     op.create_index("ix_audit_log_at", "audit_log", ["at"])
+    revision_table = op.create_table(
+        "registry_revision",
+        sa.Column("id", sa.Integer(), autoincrement=False),
+        sa.Column("value", sa.BigInteger(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name="pk_registry_revision"),
+    )
+    op.bulk_insert(revision_table, [{"id": 1, "value": 0}])
 
 
 def downgrade() -> None:
-    for table in ("audit_log", "usage", "adapters", "api_keys", "tenants"):
+    for table in ("registry_revision", "audit_log", "usage", "adapters", "api_keys", "tenants"):
         op.drop_table(table)

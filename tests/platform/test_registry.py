@@ -44,7 +44,14 @@ def tables(url: str) -> set[str]:
 def test_migrations_up_down_up_without_drift(database_url):
     migrate.upgrade(database_url)
     assert migrate.current(database_url) == migrate.head(database_url)
-    assert tables(database_url) == {"tenants", "api_keys", "adapters", "usage", "audit_log"}
+    assert tables(database_url) == {
+        "tenants",
+        "api_keys",
+        "adapters",
+        "usage",
+        "audit_log",
+        "registry_revision",
+    }
     assert migrate.drift(database_url) == []
     migrate.downgrade(database_url, "base")
     assert migrate.current(database_url) is None and tables(database_url) == set()
@@ -105,6 +112,9 @@ def test_tenants_keys_and_adapters(db):
     assert revoked.revoked_at is not None
     actions = [e.action for e in db.transaction(registry.list_audit)]
     assert actions[0] == "key.revoke" and "adapter.register" in actions
+    # every committed change, and only those (the refused duplicates rolled back), moved the
+    # revision that other server processes watch
+    assert db.transaction(registry.revision) == len(actions)
 
 
 def test_usage_summary_and_series(db):

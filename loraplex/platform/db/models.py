@@ -127,3 +127,14 @@ class AuditEntry(Base):
     action: Mapped[str] = mapped_column(String(64))  # e.g. "adapter.register"
     target_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     detail: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+class RegistryRevision(Base):
+    """One row counting committed registry changes. Every change bumps it in its own transaction
+    (see registry.audit); each server process polls it and drops its cached answers (keys,
+    tenants, adapters) when it moves, so a change made through one process reaches all."""
+
+    __tablename__ = "registry_revision"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from loraplex.engine.api import AsyncEngine, InvalidRequestError
@@ -65,10 +66,31 @@ async def ending_on_error(call: Call):
         raise
 
 
-def json_body(model: type[BaseModel]) -> dict:
-    """The OpenAPI description of a body the route parses itself (see app.openapi_models)."""
-    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+class DirectRoute(APIRoute):
+    """A route whose endpoint takes the Request and returns a Response itself: described in the
+    OpenAPI like any other, but called without FastAPI's dependency solving (the hot path)."""
+
+    def get_route_handler(self):
+        return self.endpoint
+
+
+def hot_post(path: str, body: type[BaseModel], response: type[BaseModel]):
+    """Register a hot POST route whose JSON `body` the endpoint parses itself."""
+    schema = {"$ref": f"#/components/schemas/{body.__name__}"}  # see app._openapi
+    extra = {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+    def register(endpoint):
+        router.add_api_route(
+            path,
+            endpoint,
+            methods=["POST"],
+            response_model=response,
+            openapi_extra=extra,
+            route_class_override=DirectRoute,
+        )
+        return endpoint
+
+    return register
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -88,11 +110,7 @@ def json_reply(reply, call: Call) -> Response:
 # -- chat ------------------------------------------------------------------------------------
 
 
-@router.post(
-    "/v1/chat/completions",
-    response_model=oa.ChatCompletion,
-    openapi_extra=json_body(oa.ChatCompletionRequest),
-)
+@hot_post("/v1/chat/completions", oa.ChatCompletionRequest, oa.ChatCompletion)
 async def chat_completions(request: Request):
     """Parsed by hand rather than through FastAPI's dependencies: the hot path, kept short."""
     platform: Platform = request.app.state.platform
@@ -224,9 +242,7 @@ async def _chat_stream(
 # -- legacy completions ----------------------------------------------------------------------
 
 
-@router.post(
-    "/v1/completions", response_model=oa.Completion, openapi_extra=json_body(oa.CompletionRequest)
-)
+@hot_post("/v1/completions", oa.CompletionRequest, oa.Completion)
 async def completions(request: Request):
     platform: Platform = request.app.state.platform
     engine = platform.require_engine()
