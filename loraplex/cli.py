@@ -85,9 +85,6 @@ def _serve(args: argparse.Namespace) -> int:
     from loraplex.platform.settings import load_settings
 
     settings = load_settings(args.config, host=args.host, port=args.port)
-    logging.getLogger("loraplex").setLevel(settings.log_level.upper())
-    if args.demo:
-        logging.getLogger("loraplex").setLevel(logging.INFO)
     return serve(settings, demo=args.demo)
 
 

@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+scripts/chromium.sh
 . .venv/bin/activate
 exec python -m pytest "$@"

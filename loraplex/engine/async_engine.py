@@ -54,7 +54,7 @@ from loraplex.engine.errors import (
 )
 from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.outputs import RequestDelta
-from loraplex.engine.prompts import check_text
+from loraplex.engine.prompts import check_text, prompt_token_ids
 from loraplex.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -202,6 +202,12 @@ class AsyncEngine:
         InvalidRequestError for text that is not valid Unicode."""
         check_text(text, "prompt")
         return self._engine.tokenizer.encode(text)
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt (text, or token ids) checked as `generate` checks it -> its token ids. Any
+        thread. Raises InvalidRequestError (empty, not Unicode, ids outside the vocabulary)."""
+        engine = self._engine
+        return prompt_token_ids(prompt, engine.tokenizer, engine.model_config.vocab_size)[1]
 
     def model_info(self) -> ModelInfo:
         return self._model_info

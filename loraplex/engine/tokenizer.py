@@ -52,7 +52,7 @@ class TokenizerWrapper:
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one wrapper per engine, kept for its life
     def _token_bytes(self, token_id: int) -> bytes:
-        piece = self.backend.id_to_token(token_id)
+        piece = self.backend.id_to_token(token_id) if token_id >= 0 else None
         if piece is None:
             return b""
         if isinstance(self.backend.decoder, decoders.ByteLevel):

@@ -6,14 +6,18 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
-from pydantic.json_schema import models_json_schema
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
 
+import loraplex.admin_ui
+from loraplex.platform import openapi
 from loraplex.platform.deps import PlatformDep
 from loraplex.platform.errors import APIError, install_handlers
+from loraplex.platform.metrics import CONTENT_TYPE
+from loraplex.platform.middleware import RequestMiddleware
 from loraplex.platform.routes import admin, openai
 from loraplex.platform.settings import Settings
 from loraplex.platform.state import Platform
@@ -21,6 +25,34 @@ from loraplex.platform.state import Platform
 logger = logging.getLogger(__name__)
 
 OnReady = Callable[[Platform], Awaitable[None]]
+ADMIN_UI = Path(loraplex.admin_ui.__file__).parent  # static files, shipped in the wheel
+# The page runs only its own files: no inline script, nothing from elsewhere.
+ADMIN_PAGE_HEADERS = {
+    "content-security-policy": (
+        "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
+
+
+class App(FastAPI):
+    """FastAPI with the request middleware outermost, around even the 500 handler, so that
+    every reply carries its request id and every request is logged and counted."""
+
+    def build_middleware_stack(self):
+        return RequestMiddleware(super().build_middleware_stack(), self.state.platform)
+
+
+class AdminPage(StaticFiles):
+    """The admin page's static files, with headers that keep it to itself."""
+
+    def file_response(self, *args, **kwargs):
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(ADMIN_PAGE_HEADERS)
+        return response
 
 
 def create_app(
@@ -41,7 +73,7 @@ def create_app(
             await asyncio.gather(starting, return_exceptions=True)
             await platform.stop()
 
-    app = FastAPI(
+    app = App(
         title="loraplex",
         summary="Multi-tenant LoRA serving with an OpenAI-compatible API",
         lifespan=lifespan,
@@ -53,20 +85,23 @@ def create_app(
     app.include_router(admin.vllm_router)
     app.add_api_route("/health", health, methods=["GET"], tags=["operations"])
     app.add_api_route("/ready", ready, methods=["GET"], tags=["operations"])
+    app.add_api_route(
+        "/metrics",
+        metrics,
+        methods=["GET"],
+        tags=["operations"],
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Prometheus metrics"}},
+    )
+    app.add_api_route("/admin", to_admin_page, methods=["GET"], include_in_schema=False)
+    app.mount("/admin/", AdminPage(directory=ADMIN_UI, html=True), name="admin-page")
     app.openapi = lambda: _openapi(app)
     return app
 
 
 def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, plus the bodies the hot routes parse themselves."""
     if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        _, definitions = models_json_schema(
-            [(model, "validation") for model in openai.BODY_MODELS],
-            ref_template="#/components/schemas/{model}",
-        )
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
-        app.openapi_schema = schema
+        app.openapi_schema = openapi.build(app)
     return app.openapi_schema
 
 
@@ -80,6 +115,15 @@ async def _start(platform: Platform, on_ready: OnReady | None, on_failure) -> No
         platform.startup_error = f"start-up failed: {error}"
         if on_failure is not None:
             on_failure()
+
+
+async def to_admin_page() -> RedirectResponse:
+    return RedirectResponse("/admin/", status_code=308)
+
+
+async def metrics(platform: PlatformDep) -> Response:
+    """Prometheus metrics (text format)."""
+    return Response(platform.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def health() -> dict:

@@ -11,30 +11,70 @@ from contextlib import asynccontextmanager
 
 from fastapi import Request
 
+from loraplex.engine.api import RequestDelta
 from loraplex.platform.errors import ClientDisconnected
 from loraplex.platform.limits import Grant
+from loraplex.platform.metrics import UNRESOLVED
 from loraplex.platform.state import Platform
 from loraplex.platform.tenancy import Caller
 from loraplex.platform.usage import UsageRow
 
 
 class Call:
-    def __init__(self, platform: Platform, caller: Caller, model: str, id_prefix: str) -> None:
+    def __init__(
+        self, platform: Platform, caller: Caller, model: str, id_prefix: str, request: Request
+    ) -> None:
         self.platform = platform
         self.caller = caller
         self.model = model
+        self.resolved = False  # whether `model` named something this caller may use
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.adapter_id: str | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.grant: Grant | None = None
-        self._started = time.perf_counter()
+        self.status: int | None = None
+        state = request.scope.setdefault("state", {})
+        state["call"] = self  # for the request's log line and metrics (see middleware)
+        self._started = state.get("arrived") or time.perf_counter()
+        self._last_output: float | None = None
         self._finished = False
 
     @property
     def headers(self) -> dict[str, str]:
         return dict(self.grant.headers) if self.grant else {}
+
+    @property
+    def model_label(self) -> str:
+        """`model` for the metrics: only names that resolved, so unknown ones mint no series."""
+        return self.model if self.resolved else UNRESOLVED
+
+    def log_fields(self) -> dict:
+        return {
+            "completion_id": self.id,
+            "tenant_id": self.caller.tenant_id,
+            "key_id": self.caller.key_id,
+            "model": self.model_label,
+            "adapter_id": self.adapter_id,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "call_status": self.status,
+        }
+
+    def output(self, delta: RequestDelta) -> None:
+        """Count a delta's tokens and time it (first token, gaps between outputs)."""
+        tokens = sum(len(out.token_ids) for out in delta.outputs)
+        if not tokens:
+            return
+        self.completion_tokens += tokens
+        now = time.perf_counter()
+        metrics = self.platform.metrics
+        if self._last_output is None:
+            metrics.time_to_first_token.observe(now - self._started)
+        else:
+            metrics.inter_token_latency.observe(now - self._last_output)
+        self._last_output = now
 
     async def admit(self, estimated_tokens: int) -> None:
         """Take the rate-limit grant; raises APIError 429."""
@@ -44,19 +84,29 @@ class Call:
         if self._finished:
             return
         self._finished = True
+        self.status = status
+        seconds = time.perf_counter() - self._started
         if self.grant is not None:
             used = self.prompt_tokens + self.completion_tokens
             await self.platform.limiter.settle(self.caller, self.grant, used)
+        metrics = self.platform.metrics
+        if status == 200:
+            metrics.e2e_latency.observe(seconds)
+        tenant = self.caller.tenant_id
+        if self.prompt_tokens:
+            metrics.prompt_tokens.labels(tenant).inc(self.prompt_tokens)
+        if self.completion_tokens:
+            metrics.generation_tokens.labels(tenant).inc(self.completion_tokens)
         self.platform.usage.record(
             UsageRow(
                 request_id=self.id,
-                tenant_id=self.caller.tenant_id,
+                tenant_id=tenant,
                 key_id=self.caller.key_id,
                 adapter_id=self.adapter_id,
                 model=self.model,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
-                latency_ms=(time.perf_counter() - self._started) * 1000,
+                latency_ms=seconds * 1000,
                 status=status,
                 created_at=time.time(),
             )

@@ -63,20 +63,24 @@ async def start(
     return [Primed(i, first, s) for i, (first, s) in enumerate(zip(firsts, streams, strict=True))]
 
 
-async def deltas(primed: list[Primed]) -> AsyncIterator[tuple[int, RequestDelta]]:
-    """(prompt index, delta) from every request, as they come; closing this closes them all
-    (which aborts what is still running). Raises APIError for an engine error mid-way."""
+async def deltas(call: Call, primed: list[Primed]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(prompt index, delta) from every request, as they come, counted into the call; closing
+    this closes them all (which aborts what is still running). Raises APIError for an engine
+    error mid-way."""
     done = False
     try:
         if len(primed) == 1:
             only = primed[0]
+            call.output(only.first)
             yield only.index, only.first
             if not only.first.finished:
                 async for delta in only.rest:
+                    call.output(delta)
                     yield only.index, delta
         else:
-            async for item in _merged(primed):
-                yield item
+            async for index, delta in _merged(primed):
+                call.output(delta)
+                yield index, delta
         done = True
     except EngineError as error:
         raise from_engine(error) from None
@@ -135,14 +139,13 @@ def finish_reason(engine_reason: str | None) -> str | None:
 
 async def collect(call: Call, primed: list[Primed], n: int) -> dict[int, ChoiceState]:
     choices: dict[int, ChoiceState] = {}
-    async for prompt_index, delta in deltas(primed):
+    async for prompt_index, delta in deltas(call, primed):
         for out in delta.outputs:
             state = choices.setdefault(choice_index(prompt_index, out.index, n), ChoiceState())
             state.text += out.text
             state.num_tokens += len(out.token_ids)
             state.logprobs += out.logprobs or []
             state.finish_reason = finish_reason(out.finish_reason) or state.finish_reason
-            call.completion_tokens += len(out.token_ids)
     return dict(sorted(choices.items()))
 
 

@@ -8,7 +8,7 @@ import os
 import secrets
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -71,6 +71,8 @@ class Settings(BaseSettings):
     registry_poll_seconds: float = Field(0.25, gt=0, le=0.5)
     shutdown_grace_seconds: float = Field(30.0, ge=0)
     log_level: str = "info"
+    log_format: Literal["json", "text"] = "json"
+    log_requests: bool = True  # a JSON line per request: ids, status, tokens, latency; no text
     engine: EngineSettings = EngineSettings()
 
     @field_validator("adapter_roots", mode="before")

@@ -20,6 +20,7 @@ from loraplex.platform.db import migrate
 from loraplex.platform.db.session import Database
 from loraplex.platform.errors import SERVER_ERROR, APIError
 from loraplex.platform.limits import Limiter, make_limiter
+from loraplex.platform.metrics import Metrics
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import Directory
 from loraplex.platform.usage import UsageWriter
@@ -48,8 +49,13 @@ class Platform:
     fingerprint: str = ""
     started_at: float = field(default_factory=time.time)
     draining: bool = False
+    in_flight: int = 0  # HTTP requests being served (see middleware)
+    metrics: Metrics = field(init=False)
     startup_error: str | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
 
     @property
     def ready(self) -> bool:

@@ -117,12 +117,12 @@ async def chat_completions(request: Request):
     engine = platform.require_engine()
     caller = await platform.directory.authenticate(request.headers.get("authorization"))
     body = await parse_body(request, oa.ChatCompletionRequest)
-    call = Call(platform, caller, body.model, "chatcmpl")
+    call = Call(platform, caller, body.model, "chatcmpl", request)
     async with ending_on_error(call):
         refuse_unsupported(body)
         params = sampling_params(body)
         target = await platform.directory.resolve(caller, body.model)
-        call.adapter_id = target.adapter_id
+        call.adapter_id, call.resolved = target.adapter_id, True
         prompt = await _encode_chat(engine, body.messages)
         await call.admit(len(prompt) + (params.max_tokens or 0))
         if body.stream:
@@ -207,9 +207,8 @@ async def _chat_stream(
 
     status, started = 200, set()
     try:
-        async for _, delta in deltas(primed):
+        async for _, delta in deltas(call, primed):
             for out in delta.outputs:
-                call.completion_tokens += len(out.token_ids)
                 if out.index not in started:
                     started.add(out.index)
                     role = oa.ChatDelta(role="assistant", content="")
@@ -248,14 +247,14 @@ async def completions(request: Request):
     engine = platform.require_engine()
     caller = await platform.directory.authenticate(request.headers.get("authorization"))
     body = await parse_body(request, oa.CompletionRequest)
-    call = Call(platform, caller, body.model, "cmpl")
+    call = Call(platform, caller, body.model, "cmpl", request)
     async with ending_on_error(call):
         refuse_unsupported(body)
         params = sampling_params(body)
         if body.echo and params.logprobs is not None:
             raise unsupported_field("echo", "echo with logprobs (prompt logprobs) is not served")
         target = await platform.directory.resolve(caller, body.model)
-        call.adapter_id = target.adapter_id
+        call.adapter_id, call.resolved = target.adapter_id, True
         try:
             texts, prompts = await asyncio.to_thread(_prompts, engine, body.prompt)
         except InvalidRequestError as error:
@@ -303,23 +302,17 @@ async def _completion_reply(engine, call, prompts, params, lora, echoes, platfor
 
 
 def _prompts(engine: AsyncEngine, prompt: oa.Prompt) -> tuple[list[str], list[list[int]]]:
-    """-> (each prompt's text, its token ids)."""
-    if isinstance(prompt, str):
+    """-> (each prompt's text, its token ids); raises APIError 400 for an invalid one."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise invalid_request("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
-        prompt = [prompt]
-    if isinstance(prompt[0], str):
-        if any(not text for text in prompt):
-            raise invalid_request("prompt must not be empty", param="prompt")
-        return list(prompt), [engine.encode(text) for text in prompt]
-    if any(not ids for ids in prompt):
-        raise invalid_request("prompt must not be empty", param="prompt")
-    texts = [
-        b"".join(engine.token_bytes(t) for t in ids).decode(errors="replace") for ids in prompt
-    ]
-    return texts, [list(ids) for ids in prompt]
+    try:
+        ids = [engine.prompt_ids(one) for one in prompt]
+    except InvalidRequestError as error:
+        raise invalid_request(str(error), param="prompt") from None
+    texts = [one if isinstance(one, str) else _decode(engine, one) for one in prompt]
+    return texts, ids
 
 
 def _decode(engine: AsyncEngine, token_ids: list[int]) -> str:
@@ -349,10 +342,9 @@ async def _completion_stream(
 
     status, started, offsets = 200, set(), {}
     try:
-        async for prompt_index, delta in deltas(primed):
+        async for prompt_index, delta in deltas(call, primed):
             for out in delta.outputs:
                 index = choice_index(prompt_index, out.index, n)
-                call.completion_tokens += len(out.token_ids)
                 text = out.text
                 if index not in started:
                     started.add(index)
