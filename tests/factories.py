@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from transformers import (
 )
 
 from loraplex import LLM
+from loraplex.engine.api import AsyncEngine
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -179,3 +182,21 @@ def poison_adapter(src: Path, out_dir: Path, value: float = 3e38) -> Path:
             tensors[name] = torch.full_like(tensor, value)
     save_file(tensors, weights)
     return out_dir
+
+
+@contextlib.contextmanager
+def wedged(engine: AsyncEngine):
+    """Fault injection: the engine thread blocks inside its next step until released."""
+    release = threading.Event()
+    real_step = engine._engine.step
+
+    def stuck_step():
+        release.wait(timeout=30)
+        return real_step()
+
+    engine._engine.step = stuck_step
+    try:
+        yield
+    finally:
+        release.set()
+        engine._engine.step = real_step

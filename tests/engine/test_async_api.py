@@ -4,7 +4,6 @@ chat encoding, adapter validation, coded errors, stats, health, back-pressure, s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import shutil
 import threading
@@ -28,7 +27,7 @@ from loraplex.engine.api import (
     SamplingParams,
 )
 from loraplex.engine.config import ModelConfig
-from tests.factories import build_adapter, make_llm, poison_adapter
+from tests.factories import build_adapter, make_llm, poison_adapter, wedged
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -68,24 +67,6 @@ async def collect(engine, prompt, params=GREEDY, lora=None, tag=None):
         tokens += delta.outputs[0].token_ids
         tags.add(delta.tag)
     return text, tokens, tags
-
-
-@contextlib.contextmanager
-def wedged(engine: AsyncEngine):
-    """Fault injection: the engine thread blocks inside its next step until released."""
-    release = threading.Event()
-    real_step = engine._engine.step
-
-    def stuck_step():
-        release.wait(timeout=30)
-        return real_step()
-
-    engine._engine.step = stuck_step
-    try:
-        yield
-    finally:
-        release.set()
-        engine._engine.step = real_step
 
 
 def test_chat_encoding_and_tags_reach_every_delta(engine, tiny_llama):

@@ -9,13 +9,20 @@ import signal
 import sqlite3
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.platform.servers import start_server, wait_ready
+from loraplex.platform import registry
+from loraplex.platform.app import create_app
+from loraplex.platform.settings import load_settings
+from tests.factories import wedged
+from tests.platform.servers import ADMIN_TOKEN, free_port, start_server, wait_ready
 
 SECRET_PROMPT = "zebra-orchid-7341 tell me a secret"
 
@@ -139,6 +146,43 @@ def test_ready_is_503_until_the_model_is_loaded(tmp_path, tiny_llama):
         wait_ready(server)
     finally:
         assert server.stop() == 0
+
+
+def test_ready_turns_503_while_the_engine_thread_is_wedged(tmp_path, tiny_llama):
+    """The server in this process, so that its engine thread can be made to hang."""
+    port = free_port()
+    settings = load_settings(model=str(tiny_llama), data_dir=tmp_path, port=port, dev_mode=True)
+    app = create_app(settings, ADMIN_TOKEN)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not app.state.platform.ready:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/ready").status_code == 200
+        with ThreadPoolExecutor(1) as pool, wedged(app.state.platform.engine):
+            body = {"model": tiny_llama.name, "prompt": "stuck", "max_tokens": 4}
+            headers = {"Authorization": f"Bearer {make_key(app)}"}
+            post = partial(httpx.post, json=body, headers=headers, timeout=60)
+            pending = pool.submit(post, f"{url}/v1/completions")
+            time.sleep(0.3)  # the engine thread is now stuck in its step
+            probe = httpx.get(f"{url}/ready", timeout=30)
+            assert probe.status_code == 503 and "wedged" in probe.json()["error"]["message"]
+        assert pending.result(timeout=60).status_code == 200
+        assert httpx.get(f"{url}/ready").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def make_key(app) -> str:
+    """A tenant and key made straight in the registry of an in-process server."""
+    db = app.state.platform.db
+    tenant = db.transaction(lambda s: registry.create_tenant(s, "probe"))
+    return db.transaction(lambda s: registry.create_key(s, tenant.id, "probe"))[1]
 
 
 def test_sigterm_drains_streams_refuses_new_work_and_keeps_every_usage_row(tmp_path, tiny_llama):
