@@ -70,10 +70,10 @@ def model_flops(config, prompts: list[list[int]], new_tokens: int) -> float:
     return total
 
 
-def run_loraplex(model: str, prompts, new_tokens: int):
+def run_loraplex(model: str, prompts, new_tokens: int, dtype: str):
     from loraplex import LLM, SamplingParams
 
-    llm = LLM(model=model, max_num_batched_tokens=256)
+    llm = LLM(model=model, max_num_batched_tokens=256, dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm up
     start = time.perf_counter()
@@ -128,6 +128,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -149,7 +150,7 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     matmul_flops, packed_flops = measure_matmul_flops()
     prompts = make_prompts(TokenizerWrapper(model_dir), args.requests, args.prompt_tokens)
-    ours, elapsed, ttft, llm = run_loraplex(str(model_dir), prompts, args.new_tokens)
+    ours, elapsed, ttft, llm = run_loraplex(str(model_dir), prompts, args.new_tokens, args.dtype)
     flops = model_flops(llm.engine.model_config, prompts, args.new_tokens)
     del llm
 
@@ -159,7 +160,7 @@ def main() -> None:
         static = run_hf_static_batch(hf, prompts, args.new_tokens, pad_id=0)
 
     print(
-        f"model {model_dir.name}, float32, {args.threads} threads, {args.requests} requests, "
+        f"model {model_dir.name}, {args.dtype}, {args.threads} threads, {args.requests} requests, "
         f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens, greedy, EOS ignored"
     )
     print(f"{'loraplex continuous batch':34s} {ours:8.1f} tok/s  ({elapsed:.1f} s)")

@@ -69,6 +69,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or auto")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--modules", default="q_proj,v_proj")
@@ -89,7 +90,7 @@ def main() -> None:
     from loraplex.engine.default_model import resolve_model
 
     model_dir = resolve_model(args.model)
-    llm = LLM(model=str(model_dir), max_num_batched_tokens=256)
+    llm = LLM(model=str(model_dir), max_num_batched_tokens=256, dtype=args.dtype)
     config = llm.engine.model_config
     prompts = make_prompts(llm.tokenizer, args.requests, args.prompt_tokens)
     modules = tuple(args.modules.split(","))

@@ -131,7 +131,9 @@ def _spread_weights(model: torch.nn.Module) -> None:
 
 
 def make_llm(model_dir: Path, **options) -> LLM:
+    """The engine as the fidelity suite runs it: float32 unless a test asks otherwise."""
     options.setdefault("memory_budget", "64MiB")
+    options.setdefault("dtype", "float32")
     return LLM(model=str(model_dir), **options)
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.engine.device import choose_dtype
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -174,7 +176,9 @@ class EngineConfig:
     """
 
     model: str = "default"
-    dtype: str = "float32"
+    # "auto": bfloat16 where the device computes it natively, else float32 (float16 on a CUDA
+    # GPU without bfloat16); resolved on construction, so `dtype` is always concrete after it
+    dtype: str = "auto"
     device: str = "cpu"
     memory_budget: int | str = "2GiB"
     num_pages: int | None = None
@@ -193,8 +197,11 @@ class EngineConfig:
     max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        object.__setattr__(self, "dtype", choose_dtype(self.dtype, self.device))
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

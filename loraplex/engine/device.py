@@ -33,6 +33,17 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags for flag in _NATIVE_BF16_FLAGS)
 
 
+def choose_dtype(dtype: str, device: str) -> str:
+    """A concrete dtype for "auto": bfloat16 where the device computes it natively (CUDA with
+    bfloat16 support; a CPU with AMX or AVX512-BF16), else float16 on CUDA and float32 on CPU.
+    Any other value is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
 def choose_lora_backend(device: str, override: str | None) -> str:
     if override is not None:
         if override not in LORA_BACKENDS:

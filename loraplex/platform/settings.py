@@ -34,7 +34,7 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
     memory_budget: int | str = "2GiB"
     num_pages: int | None = None

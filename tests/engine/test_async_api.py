@@ -34,6 +34,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 def make_engine(model_dir, **options) -> AsyncEngine:
     options.setdefault("memory_budget", "64MiB")
+    options.setdefault("dtype", "float32")
     return AsyncEngine(EngineConfig(model=str(model_dir), **options))
 
 

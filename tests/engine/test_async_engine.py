@@ -15,7 +15,9 @@ PROMPTS = ["the river", "a cat sleeps", "old city light", "the king tells of a s
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), memory_budget="64MiB"))
+    engine = AsyncEngine(
+        EngineConfig(model=str(tiny_llama), memory_budget="64MiB", dtype="float32")
+    )
     yield engine
     engine.shutdown()
 

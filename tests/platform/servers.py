@@ -87,6 +87,7 @@ def start_server(
         LORAPLEX_PORT=str(port),
         LORAPLEX_ADMIN_TOKEN=ADMIN_TOKEN,
         LORAPLEX_ENGINE__MEMORY_BUDGET="64MiB",
+        LORAPLEX_ENGINE__DTYPE="float32",  # outputs compared with the float32 engine
     )
     env.update({f"LORAPLEX_{k.upper()}": str(v) for k, v in settings.items()})
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,47 @@
+"""`dtype="auto"`: bfloat16 where the device computes it natively, float32 elsewhere; an explicit
+dtype always wins, and the engine reports what it runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex import SamplingParams
+from loraplex.engine import device
+from loraplex.engine.config import EngineConfig
+from tests.factories import make_llm
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return set(next(line for line in cpuinfo if line.startswith("flags")).split())
+
+
+def test_auto_follows_what_this_cpu_reports():
+    native = bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    assert device.cpu_has_native_bf16() == native
+    assert EngineConfig().dtype == ("bfloat16" if native else "float32")
+    assert EngineConfig(dtype="auto").torch_dtype == (torch.bfloat16 if native else torch.float32)
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_on_a_cpu_with_and_without_native_bfloat16(monkeypatch, native, expected):
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native)
+    assert device.choose_dtype("auto", "cpu") == expected
+    for explicit in ("float32", "bfloat16", "float16"):  # an explicit choice always wins
+        assert device.choose_dtype(explicit, "cpu") == explicit
+        assert EngineConfig(dtype=explicit).dtype == explicit
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="auto, float32, bfloat16 or float16"):
+        EngineConfig(dtype="float64")
+
+
+def test_the_engine_runs_and_reports_the_dtype_auto_chose(tiny_llama):
+    llm = make_llm(tiny_llama, dtype="auto")
+    chosen = EngineConfig(dtype="auto").dtype
+    assert llm.engine.model_info().dtype == chosen
+    assert llm.engine.pool.data.dtype == getattr(torch, chosen)  # KV and adapter pages
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert len(llm.generate(["the sea"], greedy)[0].outputs[0].token_ids) == 6
