@@ -41,9 +41,13 @@ class ForwardBatch:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_pages]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] additive
     prefills: list[PrefillSpan]
-    logits_indices: torch.Tensor  # [num_sampled] rows whose logits are sampled
+    # rows whose logits are needed: the sampled ones, then those of `prompt_targets`
+    logits_indices: torch.Tensor
     lora: TorchLoRA | KernelLoRA | None  # None when no token uses an adapter
     workspace: Workspace
+    # (sequence, the prompt token that follows the row) for prompt log-probabilities, in row
+    # order after the sampled rows
+    prompt_targets: list[tuple[Sequence, int]]
 
 
 def _batch_order(item: Scheduled):
@@ -73,6 +77,7 @@ def build_forward_batch(
     token_adapters = [item.adapter for item in ordered for _ in range(item.num_new)]
     input_ids, positions, slot_pages, slot_offsets = [], [], [], []
     logits_indices, sampling = [], []
+    prompt_rows, prompt_targets = [], []
     decodes, prefills = [], []
     for item in ordered:
         seq, num_new = item.seq, item.num_new
@@ -90,6 +95,12 @@ def build_forward_batch(
         if first + num_new == seq.num_tokens:
             logits_indices.append(len(input_ids) - 1)
             sampling.append(seq)
+        if seq.params.prompt_logprobs is not None and seq.index == 0:
+            for row, position in enumerate(span, start):
+                target = position + 1  # a prompt token not scored yet (the last one samples)
+                if len(seq.prompt_logprobs) < target < seq.num_prompt_tokens:
+                    prompt_rows.append(row)
+                    prompt_targets.append((seq, seq.token_ids[target]))
     tables, mask = _decode_tables(decodes, page_size, settings.dtype, device)
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -100,11 +111,12 @@ def build_forward_batch(
         decode_block_tables=tables,
         decode_mask=mask,
         prefills=prefills,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+        logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=device),
         lora=build_lora_batch(
             settings.lora_backend, token_adapters, len(decodes), settings.pool, settings.workspace
         ),
         workspace=settings.workspace,
+        prompt_targets=prompt_targets,
     )
     return batch, sampling
 

@@ -19,6 +19,7 @@ class Request:
     tag: object = None  # the caller's, handed back with every delta
     arrival_time: float = field(default_factory=time.monotonic)
     error: EngineError | None = None  # why it failed, if it did
+    prompt_logprobs_sent: bool = False
 
     @property
     def is_finished(self) -> bool:
@@ -47,6 +48,9 @@ class RequestDelta:
     first_token_time: float | None
     tag: object = None
     error: EngineError | None = None  # set on the last delta of a request that failed
+    # with SamplingParams.prompt_logprobs, once, on the first delta after the prompt is
+    # computed: one entry per prompt token, None for the first (nothing comes before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -70,6 +74,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     error: EngineError | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: RequestDelta) -> None:
         for part in delta.outputs:
@@ -82,6 +87,8 @@ class RequestOutput:
         self.first_token_time = delta.first_token_time
         self.finished = delta.finished
         self.error = delta.error or self.error
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 def take_delta(request: Request, touched: list[Sequence]) -> RequestDelta:
@@ -97,7 +104,18 @@ def take_delta(request: Request, touched: list[Sequence]) -> RequestDelta:
         first_token_time=min(first_times, default=None),
         tag=request.tag,
         error=request.error,
+        prompt_logprobs=_take_prompt_logprobs(request),
     )
+
+
+def _take_prompt_logprobs(request: Request) -> list[TokenLogprob | None] | None:
+    first = request.seqs[0]
+    if request.prompt_logprobs_sent or first.params.prompt_logprobs is None:
+        return None
+    if len(first.prompt_logprobs) < first.num_prompt_tokens - 1:
+        return None  # the prompt is still being computed
+    request.prompt_logprobs_sent = True
+    return [None, *first.prompt_logprobs]
 
 
 def _take_sequence_delta(seq: Sequence) -> SequenceDelta:

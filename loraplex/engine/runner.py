@@ -16,7 +16,7 @@ from loraplex.engine.device import choose_lora_backend
 from loraplex.engine.forward_batch import BatchSettings, build_forward_batch
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.model import CausalLM
-from loraplex.engine.sampler import Sampler
+from loraplex.engine.sampler import Sampler, logprob_entry
 from loraplex.engine.scheduler import SchedulerOutput
 from loraplex.engine.sequence import Sequence, TokenLogprob
 from loraplex.engine.workspace import Workspace
@@ -48,6 +48,9 @@ class ModelRunner:
         """-> (sequence, new token, its logprobs) for each sequence that completed its tokens."""
         batch, sampling = build_forward_batch(out.scheduled, self.settings)
         hidden = self.model.forward(batch, self.kv)
+        if batch.prompt_targets:
+            self._score_prompts(hidden[len(sampling) :], batch.prompt_targets)
+            hidden = hidden[: len(sampling)]
         if not sampling:
             return StepResult()
         logits = self.model.logits(hidden)  # [num_sampling, vocab] float32
@@ -66,3 +69,11 @@ class ModelRunner:
                 for seq, (token, logprob) in zip(sampling, picked, strict=True)
             ]
         return result
+
+    def _score_prompts(self, hidden: torch.Tensor, targets: list[tuple[Sequence, int]]) -> None:
+        """Log-probabilities of prompt tokens given the tokens before them (prompt_logprobs)."""
+        logprobs = torch.log_softmax(self.model.logits(hidden), dim=-1)
+        for row, (seq, token) in enumerate(targets):
+            seq.prompt_logprobs.append(
+                logprob_entry(logprobs[row], token, seq.params.prompt_logprobs)
+            )

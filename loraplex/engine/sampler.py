@@ -37,7 +37,7 @@ class Sampler:
         return [
             (
                 token,
-                _logprob_entry(raw_logprobs[i], token, seq.params.logprobs)
+                logprob_entry(raw_logprobs[i], token, seq.params.logprobs)
                 if raw_logprobs is not None and seq.params.logprobs is not None
                 else None,
             )
@@ -101,7 +101,7 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(1, order, filtered)
 
 
-def _logprob_entry(logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
+def logprob_entry(logprobs: torch.Tensor, token: int, num_top: int) -> TokenLogprob:
     top: list[tuple[int, float]] = []
     if num_top:
         values, ids = logprobs.topk(num_top)

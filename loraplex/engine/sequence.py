@@ -53,6 +53,9 @@ class Sequence:
     finish_reason: str | None = None
     first_token_time: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with params.prompt_logprobs, on the first sequence of a request: entry i is for prompt
+    # token i + 1 given the tokens before it (computed once, even if the prompt is recomputed)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_emitted_tokens: int = 0  # output tokens already handed to the caller
 
     @property
