@@ -192,6 +192,8 @@ class EngineConfig:
     adapter_roots: tuple[str, ...] | None = None  # None: any directory (offline use)
     adapter_host_cache: int | str = "1GiB"  # validated adapters kept in host memory
     lora_backend: str | None = None  # None: decided by the device (see engine/device.py)
+    # keep full KV pages for reuse by later requests with the same prefix and adapter
+    enable_prefix_caching: bool = True
     # AsyncEngine: requests accepted but not yet started beyond this are refused at once with
     # OverloadedError (None: no bound; the offline LLM never bounds)
     max_waiting_requests: int | None = None

@@ -65,7 +65,9 @@ class LLMEngine:
             self.model_config, self.model_dir, self.max_model_len, config.torch_dtype, config.device
         )
         self.pool = self._make_pool()
-        self.kv = KVCacheManager(self.pool, self.model_config, config.page_size)
+        self.kv = KVCacheManager(
+            self.pool, self.model_config, config.page_size, config.enable_prefix_caching
+        )
         self.catalog = AdapterCatalog(
             self.model_config,
             config.torch_dtype,
@@ -399,7 +401,10 @@ class LLMEngine:
         )
 
     def pool_snapshot(self) -> PoolSnapshot:
-        return self.adapters.snapshot(kv_pages=self.pool.num_used - self.adapters.num_pages)
+        return self.adapters.snapshot(self._kv_pages_in_use(), self.kv.num_cached_pages)
+
+    def _kv_pages_in_use(self) -> int:
+        return self.pool.num_used - self.adapters.num_pages - self.kv.num_cached_pages
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -426,6 +431,7 @@ class LLMEngine:
             adapters=self.adapters,
             catalog=self.catalog,
             pool=self.pool,
+            kv=self.kv,
         )
 
     @property

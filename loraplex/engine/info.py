@@ -44,6 +44,7 @@ class EngineStats:
     last_batch_size: int = 0  # sequences in the last step
     last_batch_tokens: int = 0
     num_computed_tokens: int = 0  # run through the model: prompts, recomputes, decodes
+    num_prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_failed_requests: int = 0  # non-finite output
@@ -54,6 +55,7 @@ class EngineStats:
     adapter_disk_read_seconds: float = 0.0
     num_pages: int = 0
     free_pages: int = 0
-    kv_pages: int = 0
+    kv_pages: int = 0  # held by requests
+    cached_pages: int = 0  # KV kept for later prefixes (prefix caching), given back on demand
     adapter_pages: int = 0
     num_resident_adapters: int = 0

@@ -5,12 +5,18 @@
             KV      adapter  KV       <- the pool never knows which
 
 Owners (the KV cache manager, the adapter manager) ask for page ids and give them back; each
-views the rows it owns in its own layout. The pool counts, and wipes what comes back: a page is
-handed out holding zeros, so what an owner left in it (say, the NaN keys of a request that
-failed) can never reach the next owner, even through slots the next owner only masks.
+views the rows it owns in its own layout. One owner may keep pages it no longer needs as a cache
+(the KV cache keeps prefix blocks): it registers a reclaimer, and the pool takes such pages back
+from it whenever an allocation would otherwise fail, before anyone is told there is no room.
+
+The pool counts, and wipes what comes back: a page is handed out holding zeros, so what an owner
+left in it (say, the NaN keys of a request that failed) can never reach the next owner, even
+through slots the next owner only masks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +36,12 @@ class PagePool:
         self.data = torch.zeros(num_pages, page_numel, dtype=dtype, device=device)
         # Pop from the end: low page ids are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._reclaimable: Callable[[], int] = lambda: 0
+        self._reclaim: Callable[[int], None] = lambda num_pages: None
+
+    def set_reclaimer(self, reclaimable: Callable[[], int], reclaim: Callable[[int], None]):
+        """`reclaimable()`: pages an owner holds only as a cache; `reclaim(n)`: free n of them."""
+        self._reclaimable, self._reclaim = reclaimable, reclaim
 
     @property
     def page_bytes(self) -> int:
@@ -43,11 +55,18 @@ class PagePool:
     def num_used(self) -> int:
         return self.num_pages - len(self._free)
 
+    @property
+    def num_available(self) -> int:
+        """Free pages, plus those a cache gives back on demand."""
+        return len(self._free) + self._reclaimable()
+
     def can_allocate(self, num_pages: int) -> bool:
-        return num_pages <= len(self._free)
+        return num_pages <= self.num_available
 
     def allocate(self, num_pages: int) -> list[int]:
-        if not self.can_allocate(num_pages):
+        if num_pages > len(self._free):
+            self._reclaim(num_pages - len(self._free))
+        if num_pages > len(self._free):
             raise MemoryError(f"asked for {num_pages} pages, {len(self._free)} free")
         taken = self._free[len(self._free) - num_pages :]
         del self._free[len(self._free) - num_pages :]

@@ -88,7 +88,7 @@ class Scheduler:
         return kv + (0 if seq.holds_adapter else self.adapters.pages_to_load(seq.adapter))
 
     def _fits(self, seq: Sequence, num_new: int) -> bool:
-        available = self.pool.num_free + self.adapters.evictable_pages(keep=seq.adapter)
+        available = self.pool.num_available + self.adapters.evictable_pages(keep=seq.adapter)
         return self._pages_needed(seq, num_new) <= available
 
     def _reserve(self, seq: Sequence, num_new: int) -> Scheduled:
@@ -136,7 +136,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
-        self.kv.release(seq.block_table)
+        self.kv.release(seq)
         if seq.holds_adapter:
             self.adapters.release(seq.adapter)
             seq.holds_adapter = False
@@ -147,13 +147,17 @@ class Scheduler:
         index = 0
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
+            self.kv.attach(seq)  # its longest cached prefix, if any, is computed already
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             overtaking = index > 0
             if self._fits(seq, num_new) and not (overtaking and self._needs_load(seq)):
                 del self.waiting[index]
                 self._admit(seq, num_new, out)
+                self.kv.num_hit_tokens += seq.num_computed_tokens
                 budget -= num_new
-            elif overtaking or self._may_be_overtaken(seq):
+                continue
+            self.kv.detach(seq)
+            if overtaking or self._may_be_overtaken(seq):
                 index += 1
             else:
                 break  # first come, first served
@@ -178,6 +182,7 @@ class Scheduler:
         """Advance computed counts after the step ran; drop finished sequences."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new
+            self.kv.name_full_pages(item.seq)
         if any(item.seq.is_finished for item in out.scheduled):
             still_running = []
             for seq in self.running:

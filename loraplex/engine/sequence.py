@@ -50,6 +50,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full pages
     finish_reason: str | None = None
     first_token_time: float | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

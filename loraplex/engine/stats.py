@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from loraplex.engine.adapters.catalog import AdapterCatalog
 from loraplex.engine.adapters.manager import AdapterManager
 from loraplex.engine.info import EngineStats
+from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.pool import PagePool
 
 
@@ -30,6 +31,7 @@ class StepCounters:
         adapters: AdapterManager,
         catalog: AdapterCatalog,
         pool: PagePool,
+        kv: KVCacheManager,
     ) -> EngineStats:
         return EngineStats(
             num_running_requests=num_running_requests,
@@ -50,7 +52,9 @@ class StepCounters:
             adapter_disk_read_seconds=catalog.disk_read_seconds,
             num_pages=pool.num_pages,
             free_pages=pool.num_free,
-            kv_pages=pool.num_used - adapters.num_pages,
+            kv_pages=pool.num_used - adapters.num_pages - kv.num_cached_pages,
+            cached_pages=kv.num_cached_pages,
+            num_prefix_hit_tokens=kv.num_hit_tokens,
             adapter_pages=adapters.num_pages,
             num_resident_adapters=len(adapters.resident),
         )

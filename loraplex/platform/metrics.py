@@ -111,6 +111,7 @@ class _EngineCollector(Collector):
             PREFIX + "pool_pages", "Pages of the unified pool, by use.", labels=["use"]
         )
         pages.add_metric(["kv"], stats.kv_pages)
+        pages.add_metric(["cached"], stats.cached_pages)
         pages.add_metric(["adapter"], stats.adapter_pages)
         pages.add_metric(["free"], stats.free_pages)
         yield pages
@@ -118,6 +119,11 @@ class _EngineCollector(Collector):
             "resident_adapters", "Adapters resident in the pool.", stats.num_resident_adapters
         )
         yield _counter("engine_steps", "Engine steps run.", stats.num_steps)
+        yield _counter(
+            "prefix_cache_hit_tokens",
+            "Prompt tokens whose KV came from the prefix cache.",
+            stats.num_prefix_hit_tokens,
+        )
         yield _counter("preemptions", "Sequences preempted for room.", stats.num_preemptions)
         yield _counter("failed_requests", "Requests the engine failed.", stats.num_failed_requests)
         yield _counter("adapter_loads", "Adapters loaded into the pool.", stats.num_adapter_loads)

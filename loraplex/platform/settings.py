@@ -47,6 +47,7 @@ class EngineSettings(BaseModel):
     max_lora_rank: int = 128
     adapter_host_cache: int | str = "1GiB"
     lora_backend: str | None = None
+    enable_prefix_caching: bool = True
 
 
 class Settings(BaseSettings):

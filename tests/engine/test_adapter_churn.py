@@ -79,7 +79,7 @@ def test_churn_through_a_small_pool_matches_each_request_run_alone(
     assert snapshot.kv_pages == 0 and all(r.running_requests == 0 for r in snapshot.resident)
     for lora in many_adapters:
         engine.unload_adapter(lora.adapter_id)
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pool.num_available == engine.pool.num_pages
 
     alone = make_llm(tiny_llama, memory_budget="256MiB")
     mismatches, near_ties = [], 0

@@ -178,7 +178,10 @@ def test_load_pin_unpin_unload_and_snapshot(tiny_llama, tiny_adapters):
     engine.pin_adapter(b)
     snap = engine.pool_snapshot()
     assert {tuple(r.adapter_ids) for r in snap.resident} == {("a",), ("b",)}
-    assert snap.kv_pages == 0 and snap.adapter_pages + snap.free_pages == snap.num_pages
+    assert (
+        snap.kv_pages == 0
+        and snap.adapter_pages + snap.free_pages + snap.cached_pages == snap.num_pages
+    )
     pinned = {r.adapter_ids[0]: r.pinned for r in snap.resident}
     assert pinned == {"a": False, "b": True}
 
@@ -190,7 +193,7 @@ def test_load_pin_unpin_unload_and_snapshot(tiny_llama, tiny_adapters):
     engine.unpin_adapter("b")
     engine.unload_adapter("b")
     snap = engine.pool_snapshot()
-    assert snap.resident == () and snap.free_pages == snap.num_pages
+    assert snap.resident == () and snap.free_pages + snap.cached_pages == snap.num_pages
 
 
 def test_unloading_an_adapter_lets_its_running_request_finish(tiny_llama, tiny_adapters):
@@ -209,7 +212,7 @@ def test_unloading_an_adapter_lets_its_running_request_finish(tiny_llama, tiny_a
             tokens += delta.outputs[0].token_ids
     assert len(tokens) == 16 - 2
     assert engine.pool_snapshot().resident == ()
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pool.num_available == engine.pool.num_pages
     assert expected[2:] == tokens
 
 

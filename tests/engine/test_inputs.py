@@ -125,7 +125,7 @@ def test_any_prompt_and_params_are_served_or_refused_with_value_error(llm, promp
     llm.engine.add_request(request)
     while llm.engine.has_unfinished():
         llm.engine.step()
-    assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+    assert llm.engine.pool.num_available == llm.engine.pool.num_pages
 
 
 # -- a prompt that ends inside a character -------------------------------------------------

@@ -66,7 +66,7 @@ def test_engine_returns_every_page_after_finishes_and_aborts(tiny_llama, seed):
             break
     while engine.has_unfinished():
         engine.step()
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pool.num_available == engine.pool.num_pages
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert set(finished_reasons) <= {"stop", "length"}
     assert engine.num_preemptions > 0, "the pool was meant to be too small for the load"

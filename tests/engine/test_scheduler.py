@@ -35,4 +35,4 @@ def test_tight_pool_with_many_requests_finishes_without_deadlock(tiny_llama):
     results = llm.generate([[3 + i] * (10 + 3 * i) for i in range(12)], params)
     assert all(len(r.outputs[0].token_ids) == 40 for r in results)
     assert llm.engine.num_preemptions > 0
-    assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+    assert llm.engine.pool.num_available == llm.engine.pool.num_pages

@@ -70,4 +70,4 @@ def test_engine_keeps_serving_after_refusals(llm):
         engine.step()
     out = llm.generate(["the city"], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pool.num_available == engine.pool.num_pages

@@ -89,9 +89,10 @@ class ResidentInfo:
 class PoolSnapshot:
     num_pages: int
     free_pages: int
-    kv_pages: int
+    kv_pages: int  # held by requests
     adapter_pages: int
     resident: tuple[ResidentInfo, ...]
+    cached_pages: int = 0  # KV kept for later prefixes, given back on demand
 
 
 class AdapterManager:
@@ -218,8 +219,9 @@ class AdapterManager:
                     resident.pinned_by.discard(adapter_id)
                 self._evict_if_orphaned(resident)
 
-    def snapshot(self, kv_pages: int) -> PoolSnapshot:
+    def snapshot(self, kv_pages: int, cached_pages: int = 0) -> PoolSnapshot:
         return PoolSnapshot(
+            cached_pages=cached_pages,
             num_pages=self.pool.num_pages,
             free_pages=self.pool.num_free,
             kv_pages=kv_pages,

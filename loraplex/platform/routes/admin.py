@@ -221,6 +221,7 @@ async def engine_report(platform: PlatformDep) -> dict:
             "num_pages": snapshot.num_pages,
             "free_pages": snapshot.free_pages,
             "kv_pages": snapshot.kv_pages,
+            "cached_pages": snapshot.cached_pages,
             "adapter_pages": snapshot.adapter_pages,
             "resident": [r.__dict__ for r in snapshot.resident],
         },
