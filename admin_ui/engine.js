@@ -19,8 +19,10 @@ const numbers = {
 };
 const pool = {
   kvBar: byId("pool-bar-kv"),
+  cachedBar: byId("pool-bar-cached"),
   adapterBar: byId("pool-bar-adapters"),
   kv: byId("pool-kv"),
+  cached: byId("pool-cached"),
   adapters: byId("pool-adapters"),
   free: byId("pool-free"),
   total: byId("pool-total"),
@@ -90,10 +92,13 @@ function tokensPerSecond(tokens, at) {
   return ((tokens - previous.tokens) * 1000) / (at - previous.at);
 }
 
-function renderPool({ num_pages, free_pages, kv_pages, adapter_pages }) {
+// Cached prefixes: KV pages kept for reuse, given back whenever something needs the room.
+function renderPool({ num_pages, free_pages, kv_pages, cached_pages, adapter_pages }) {
   sizeBar(pool.kvBar, kv_pages, num_pages);
+  sizeBar(pool.cachedBar, cached_pages, num_pages);
   sizeBar(pool.adapterBar, adapter_pages, num_pages);
   pool.kv.textContent = formatNumber(kv_pages);
+  pool.cached.textContent = formatNumber(cached_pages);
   pool.adapters.textContent = formatNumber(adapter_pages);
   pool.free.textContent = formatNumber(free_pages);
   pool.total.textContent = formatNumber(num_pages);
