@@ -10,6 +10,7 @@ import pytest
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from loraplex import LoRARequest, SamplingParams
+from loraplex.engine.adapters import lora_batch
 from loraplex.engine.adapters.peft_format import random_peft_adapter
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.errors import AdapterError
@@ -38,8 +39,17 @@ def peft_reference(base_dir, adapter_dir, prompt_ids, max_tokens):
     return reference_greedy(model, prompt_ids, max_tokens, None)
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference", "triton"])
-def test_mixed_adapter_batch_matches_peft(tiny_llama, tiny_adapters, backend, report):
+@pytest.mark.parametrize(
+    "backend, strategy",
+    [("torch", "grouped"), ("torch", "gathered"), ("reference", None), ("triton", None)],
+)
+def test_mixed_adapter_batch_matches_peft(
+    tiny_llama, tiny_adapters, backend, strategy, report, monkeypatch
+):
+    # the CPU path's two strategies, each forced on every decode token: an adapter's tokens
+    # applied in place from its pages (grouped), or every token's rows gathered (gathered)
+    if strategy:
+        monkeypatch.setattr(lora_batch, "GROUP_MIN_TOKENS", 1 if strategy == "grouped" else 10**9)
     llm = make_llm(tiny_llama, lora_backend=backend)
     names = [*tiny_adapters, None]
     # every adapter twice (and the base model twice), interleaved, all in one continuous batch
@@ -54,7 +64,8 @@ def test_mixed_adapter_batch_matches_peft(tiny_llama, tiny_adapters, backend, re
     ]
     near_ties = assert_matches_reference([r.outputs[0].token_ids for r in results], refs)
     report(
-        f"tiny llama + {len(tiny_adapters)} adapters ({backend} LoRA path): identical to PEFT, "
+        f"tiny llama + {len(tiny_adapters)} adapters ({backend} LoRA path"
+        f"{f', {strategy}' if strategy else ''}): identical to PEFT, "
         f"{near_ties} near-ties"
     )
     base = llm.generate(prompts, params)  # the same prompts without adapters

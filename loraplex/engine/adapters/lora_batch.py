@@ -33,6 +33,9 @@ from loraplex.kernels.lora import (
 )
 
 TokenRun = tuple[int, int, ResidentAdapter]  # (start, end, adapter)
+# decode tokens of one adapter at least this many: applied in place from the adapter's pages, once
+# for all of them; fewer: gathered with the other decode tokens (benchmarks/lora_floor.py)
+GROUP_MIN_TOKENS = 2
 MODULE_INDEX = {module: i for i, module in enumerate(MODULES)}
 
 
@@ -105,9 +108,13 @@ class TorchLoRA:
         self.workspace = workspace
         self.pool = pool.view(-1)
         self._windows: dict[int, torch.Tensor] = {}
-        runs = adapter_runs(token_adapters)
-        self.spans = [run for run in runs if run[1] - run[0] > 1 or run[0] >= num_decodes]
-        singles = [run for run in runs if run[1] - run[0] == 1 and run[0] < num_decodes]
+        self.spans: list[TokenRun] = []
+        singles: list[TokenRun] = []
+        for start, end, adapter in adapter_runs(token_adapters):
+            if end - start >= GROUP_MIN_TOKENS or start >= num_decodes:
+                self.spans.append((start, end, adapter))
+            else:
+                singles += [(i, i + 1, adapter) for i in range(start, end)]
         self.groups = [DecodeGroup.of(g) for g in _split_by_shape(singles)]
 
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -1,0 +1,128 @@
+"""1,000 adapters whose working set is larger than the pool against 8 adapters, in one run.
+
+    python benchmarks/many_adapters.py [--adapters 1000] [--dtype float32]
+
+Workload: 256 requests (64 prompt tokens, 32 new tokens, greedy, EOS ignored) kept 32 in flight
+through AsyncEngine, as a server would; each request names an adapter drawn uniformly at random
+(rank 16 on q,v). Run twice on the same engine settings: over 8 adapters, then over 1,000, with a
+pool that holds the KV of the 32 running requests plus about a tenth of the 1,000 adapters, and a
+host cache that holds about a quarter of them, so most requests load their adapter from disk
+(the page cache) and evict another. Prints tokens/s of both runs, their ratio (target >= 0.8x),
+the adapter loads and evictions, and the load latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from engine_throughput import make_prompts
+
+
+async def run(config, prompts, loras, in_flight: int, new_tokens: int) -> dict:
+    from loraplex.engine.api import AsyncEngine, SamplingParams
+
+    engine = AsyncEngine(config)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    jobs = list(zip(prompts, loras, strict=True))
+    generated = 0
+
+    async def worker(queue: list) -> None:
+        nonlocal generated
+        while queue:
+            prompt, lora = queue.pop()
+            async for delta in engine.generate(prompt, params, lora=lora):
+                generated += sum(len(out.token_ids) for out in delta.outputs)
+
+    await worker(jobs[:2])  # warm up (first step, first loads)
+    generated = 0
+    before = engine.stats()
+    queue = jobs[2:][::-1]
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(queue) for _ in range(in_flight)))
+    seconds = time.perf_counter() - started
+    after = engine.stats()
+    engine.shutdown()
+    loads = after.num_adapter_loads - before.num_adapter_loads
+    return {
+        "tok_s": generated / seconds,
+        "loads": loads,
+        "evictions": after.num_adapter_evictions - before.num_adapter_evictions,
+        "disk_reads": after.num_adapter_disk_reads - before.num_adapter_disk_reads,
+        "load_ms": (after.adapter_load_seconds - before.adapter_load_seconds) / max(loads, 1) * 1e3,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--adapters", type=int, default=1000)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--in-flight", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    from loraplex.engine.adapters.peft_format import random_peft_adapter
+    from loraplex.engine.api import EngineConfig, LoRARequest
+    from loraplex.engine.config import ModelConfig
+    from loraplex.engine.default_model import resolve_model
+    from loraplex.engine.tokenizer import TokenizerWrapper
+
+    model_dir = resolve_model(args.model)
+    model = ModelConfig.from_dir(model_dir)
+    prompts = make_prompts(TokenizerWrapper(model_dir), args.requests, 64)
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        made = time.perf_counter()
+        dirs = [
+            random_peft_adapter(Path(tmp) / f"a{i}", model, 16, seed=i)
+            for i in range(args.adapters)
+        ]
+        made = time.perf_counter() - made
+        adapter_bytes = sum(f.stat().st_size for f in dirs[0].iterdir())
+        # KV of the running requests (prompt + output, whole pages) plus a tenth of the adapters
+        page_tokens = 16
+        kv_page_bytes = page_tokens * model.num_layers * 2 * model.kv_size * 4
+        kv_pages = args.in_flight * -(-(64 + args.new_tokens) // page_tokens)
+        budget = kv_pages * kv_page_bytes + args.adapters // 10 * adapter_bytes
+        config = EngineConfig(
+            model=str(model_dir),
+            dtype=args.dtype,
+            memory_budget=budget,
+            adapter_host_cache=args.adapters // 4 * adapter_bytes,
+            max_num_seqs=args.in_flight,
+        )
+        results = {}
+        for count in (8, args.adapters):
+            loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs[:count])]
+            picks = [rng.choice(loras) for _ in prompts]
+            results[count] = asyncio.run(
+                run(config, prompts, picks, args.in_flight, args.new_tokens)
+            )
+
+    print(
+        f"model {model_dir.name}, {config.dtype}; {args.requests} requests, {args.in_flight} in "
+        f"flight, 64 prompt + {args.new_tokens} new tokens; adapters rank 16 on q,v, "
+        f"{adapter_bytes / 2**20:.1f} MiB each on disk ({args.adapters} written in {made:.0f} s)"
+    )
+    print(
+        f"pool {budget / 2**20:.0f} MiB (KV of {args.in_flight} requests + about "
+        f"{args.adapters // 10} adapters), host cache {args.adapters // 4} adapters"
+    )
+    for count, r in results.items():
+        print(
+            f"  {count:5d} adapters: {r['tok_s']:7.1f} tok/s; {r['loads']} loads, "
+            f"{r['evictions']} evictions, {r['disk_reads']} read from disk, "
+            f"{r['load_ms']:.1f} ms per load into the pool"
+        )
+    ratio = results[args.adapters]["tok_s"] / results[8]["tok_s"]
+    print(f"  {args.adapters} adapters / 8 adapters: {ratio:.2f}x (target >= 0.8x)")
+
+
+if __name__ == "__main__":
+    main()
