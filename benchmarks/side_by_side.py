@@ -10,7 +10,9 @@ resident before timing). Prints the table of output tokens/s, each system's adap
 the ratios the performance targets name (loraplex against vLLM, against PEFT switching adapters
 per request), and time to first token and inter-token latency of the 32 requests submitted at
 once through AsyncEngine. vLLM runs in its own process and virtual environment
-(benchmarks/vllm_peer.py); without it the vLLM row says so.
+(benchmarks/vllm_peer.py); without it the vLLM row says so. On a CPU without native bfloat16,
+where vLLM's bfloat16 is emulated too, vLLM also runs the base model in float32 (it refuses LoRA
+in float32), so that the base-speed ratio is also given against its fastest configuration here.
 """
 
 from __future__ import annotations
