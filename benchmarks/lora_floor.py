@@ -118,16 +118,17 @@ def main() -> None:
             decode_step_seconds(llm.engine, prompts[:4], loras[:4], 4)
             floors[name] = adapter_bytes(llm.engine)
             results[name] = decode_step_seconds(llm.engine, prompts, loras, args.steps)
-            for strategy, min_run in (("gathered", n + 1), ("grouped", 1)):
-                lora_batch.GROUP_MIN_TOKENS, saved = min_run, lora_batch.GROUP_MIN_TOKENS
-                try:
+            default = lora_batch.GROUP_MIN_TOKENS
+            try:
+                for strategy, min_run in (("gathered", n + 1), ("grouped", 1)):
+                    lora_batch.GROUP_MIN_TOKENS = min_run
                     for per in (1, 4):
                         key = f"{name} {strategy} {n // per}x{per}"
                         results[key] = decode_step_seconds(
                             llm.engine, prompts, loras[: n // per], args.steps
                         )
-                finally:
-                    lora_batch.GROUP_MIN_TOKENS = saved
+            finally:
+                lora_batch.GROUP_MIN_TOKENS = default
             del llm
 
     base = results["base"]

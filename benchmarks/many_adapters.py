@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 from engine_throughput import make_prompts
 
 
@@ -71,6 +72,7 @@ def main() -> None:
     from loraplex.engine.api import EngineConfig, LoRARequest
     from loraplex.engine.config import ModelConfig
     from loraplex.engine.default_model import resolve_model
+    from loraplex.engine.kv_cache import kv_page_numel
     from loraplex.engine.tokenizer import TokenizerWrapper
 
     model_dir = resolve_model(args.model)
@@ -86,9 +88,10 @@ def main() -> None:
         made = time.perf_counter() - made
         adapter_bytes = sum(f.stat().st_size for f in dirs[0].iterdir())
         # KV of the running requests (prompt + output, whole pages) plus a tenth of the adapters
-        page_tokens = 16
-        kv_page_bytes = page_tokens * model.num_layers * 2 * model.kv_size * 4
-        kv_pages = args.in_flight * -(-(64 + args.new_tokens) // page_tokens)
+        defaults = EngineConfig(dtype=args.dtype)
+        element_size = torch.empty((), dtype=defaults.torch_dtype).element_size()
+        kv_page_bytes = kv_page_numel(model, defaults.page_size) * element_size
+        kv_pages = args.in_flight * -(-(64 + args.new_tokens) // defaults.page_size)
         budget = kv_pages * kv_page_bytes + args.adapters // 10 * adapter_bytes
         config = EngineConfig(
             model=str(model_dir),

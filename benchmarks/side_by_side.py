@@ -22,7 +22,6 @@ import asyncio
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 from engine_throughput import make_prompts
 from multi_lora_throughput import run_engine, run_peft_switching
+from prefix_cache import percentile
 
 ALL_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,10 +119,6 @@ def run_vllm(python: Path, model_dir, prompts, adapter_dirs, new_tokens, dtype) 
     return f"failed (exit {done.returncode}): " + " | ".join(tail)
 
 
-def pct(values: list[float], q: int) -> float:
-    return statistics.quantiles(values, n=100)[q - 1] * 1000
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -185,7 +181,8 @@ def main() -> None:
         f"{args.rank} on {len(modules)} modules; {args.threads} threads; CPU bfloat16: "
         f"{'native' if cpu_has_native_bf16() else 'not native (no amx_bf16/avx512_bf16)'}"
     )
-    print(f"{'system':24s} {'base only':>12s} {'32 adapters':>12s} {'adapters/base':>14s}")
+    batch = f"{args.requests} adapters"
+    print(f"{'system':24s} {'base only':>12s} {batch:>12s} {'adapters/base':>14s}")
     for name, row in rows.items():
         if isinstance(row, str):
             print(f"{name:24s} {row}")
@@ -216,10 +213,14 @@ def main() -> None:
             line += f"; base / vLLM float32 base {ours['base'] / vllm32['base']:.2f}x"
         print(line)
     print(f"{args.requests} concurrent requests on {args.requests} adapters through AsyncEngine:")
+
+    def ms(seconds: list[float], q: int) -> float:
+        return percentile(seconds, q) * 1000
+
     for dtype, d in lat.items():
         print(
-            f"  {dtype:9s} TTFT p50 {pct(d['ttft'], 50):7.1f} ms  p90 {pct(d['ttft'], 90):7.1f} "
-            f"ms   inter-token p50 {pct(d['itl'], 50):6.1f} ms  p90 {pct(d['itl'], 90):6.1f} ms"
+            f"  {dtype:9s} TTFT p50 {ms(d['ttft'], 50):7.1f} ms  p90 {ms(d['ttft'], 90):7.1f} "
+            f"ms   inter-token p50 {ms(d['itl'], 50):6.1f} ms  p90 {ms(d['itl'], 90):6.1f} ms"
         )
     if isinstance(vllm, dict):
         print(f"vLLM version {vllm['version']}")
