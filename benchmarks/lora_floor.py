@@ -11,17 +11,21 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
   seven projections; the adapter bytes each step reads; the floor they imply; the extra step time
   over base as a multiple of that floor (target <= 1.25x for all-module) and the q,v batch's
   throughput against base (target >= 0.95x);
-* the same batches with the CPU LoRA path's two strategies forced: *gathered* (every decode token's
-  adapter rows copied into one buffer, applied with one batched matmul) and *grouped* (each adapter
-  applied in place, once for all its tokens), on 32 adapters x 1 token and 8 adapters x 4 tokens.
+* the same batches with each CPU LoRA strategy forced: *native* (the C kernel, kernels/cpu_lora.c,
+  reading every decode token's rows in place; the default where it builds), and the torch path's
+  two, *gathered* (every decode token's adapter rows copied into one buffer, applied with one
+  batched matmul) and *grouped* (each adapter applied in place with plain matmuls, once for all
+  its tokens), on 32 adapters x 1 token and 8 adapters x 4 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,21 +49,53 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def decode_step_seconds(engine, prompts, loras, steps: int) -> float:
-    """Median time of `steps` decode steps once every sequence is past its prefill."""
+class LoRASwitch:
+    """Wraps the step's LoRA metadata builder so that a step can skip every adapter: the same
+    batch then runs as base-only, and steps with and without LoRA alternate, so the machine's
+    drift (other tenants of the host) falls on both alike."""
+
+    def __init__(self) -> None:
+        from loraplex.engine import forward_batch
+
+        self.module, self.build, self.on = forward_batch, forward_batch.build_lora_batch, True
+        forward_batch.build_lora_batch = self
+
+    def __call__(self, *args):
+        return self.build(*args) if self.on else None
+
+
+@dataclass
+class Steps:
+    with_lora: float  # median step time, seconds
+    without: float  # median step time of the same batch with LoRA skipped
+    extra: float  # median of (with - without) over adjacent pairs
+
+
+def decode_steps(engine, prompts, loras, steps: int, switch: LoRASwitch) -> Steps:
+    """Decode steps once every sequence is past its prefill, LoRA on and off in turn."""
     from loraplex import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         lora = loras[i % len(loras)] if loras else None
         engine.add_request(engine.make_request(prompt, params, lora=lora))
     started: set[str] = set()
     while len(started) < len(prompts):
         started |= {delta.request_id for delta in engine.step()}
-    times = [_timed(engine.step) for _ in range(steps)]
+    pairs = []
+    for _ in range(steps):
+        switch.on = True
+        with_lora = _timed(engine.step)
+        switch.on = False
+        pairs.append((with_lora, _timed(engine.step)))
+    switch.on = True
     while engine.has_unfinished():
         engine.step()
-    return statistics.median(times)
+    return Steps(
+        statistics.median(on for on, _ in pairs),
+        statistics.median(off for _, off in pairs),
+        statistics.median(on - off for on, off in pairs),
+    )
 
 
 def adapter_bytes(engine) -> int:
@@ -104,55 +140,58 @@ def main() -> None:
             llm.engine.load_adapter(loras[-1])
         return llm, loras
 
-    results: dict[str, float] = {}
+    switch = LoRASwitch()
+    results: dict[str, Steps] = {}
+    floors: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        llm, _ = engine_with(QV, 0, tmp)
-        prompts = make_prompts(llm.tokenizer, n, 64)
-        decode_step_seconds(llm.engine, prompts[:4], None, 4)  # warm up
-        results["base"] = decode_step_seconds(llm.engine, prompts, None, args.steps)
-        dtype = llm.engine.config.dtype
-        del llm
-        floors = {}
         for name, modules in (("q,v", QV), ("all", ALL)):
             llm, loras = engine_with(modules, n, tmp)
-            decode_step_seconds(llm.engine, prompts[:4], loras[:4], 4)
+            prompts = make_prompts(llm.tokenizer, n, 64)
+            decode_steps(llm.engine, prompts[:4], loras[:4], 4, switch)  # warm up
             floors[name] = adapter_bytes(llm.engine)
-            results[name] = decode_step_seconds(llm.engine, prompts, loras, args.steps)
-            default = lora_batch.GROUP_MIN_TOKENS
+            results[name] = decode_steps(llm.engine, prompts, loras, args.steps, switch)
+            runner = llm.engine.runner
+            default, settings = lora_batch.GROUP_MIN_TOKENS, runner.settings
+            strategies = [("gathered", "torch", n + 1), ("grouped", "torch", 1)]
+            if settings.lora_backend == "native":
+                strategies.insert(0, ("native", "native", default))
             try:
-                for strategy, min_run in (("gathered", n + 1), ("grouped", 1)):
+                for strategy, forced, min_run in strategies:
                     lora_batch.GROUP_MIN_TOKENS = min_run
+                    runner.settings = dataclasses.replace(settings, lora_backend=forced)
                     for per in (1, 4):
                         key = f"{name} {strategy} {n // per}x{per}"
-                        results[key] = decode_step_seconds(
-                            llm.engine, prompts, loras[: n // per], args.steps
+                        results[key] = decode_steps(
+                            llm.engine, prompts, loras[: n // per], args.steps, switch
                         )
             finally:
-                lora_batch.GROUP_MIN_TOKENS = default
+                lora_batch.GROUP_MIN_TOKENS, runner.settings = default, settings
+            dtype, backend = llm.engine.config.dtype, settings.lora_backend
             del llm
 
-    base = results["base"]
     print(
         f"model {model_dir.name}, {dtype}, {args.threads} threads; {n} sequences decoding "
-        f"together; median of {args.steps} steps; rank {args.rank} adapters"
+        f"together; medians over {args.steps} steps with LoRA, each followed by the same batch "
+        f"with LoRA skipped (base); rank {args.rank} adapters"
     )
-    print(f"read bandwidth of this box: {bandwidth / 1e9:.1f} GB/s")
-    print(f"base-only decode step: {base * 1e3:.2f} ms ({n / base:.0f} tok/s)")
+    print(f"read bandwidth of this box: {bandwidth / 1e9:.1f} GB/s; LoRA backend {backend}")
     for name in ("q,v", "all"):
-        step, size = results[name], floors[name]
+        r, size = results[name], floors[name]
         floor = size / bandwidth
-        extra = step - base
         print(
-            f"{n} adapters on {name:3s}: step {step * 1e3:6.2f} ms ({n / step:4.0f} tok/s, "
-            f"{base / step:.2f}x base); adapter bytes per step {size / 2**20:6.1f} MiB; "
-            f"floor {floor * 1e3:5.2f} ms; extra over base {extra * 1e3:6.2f} ms = "
-            f"{extra / floor:.2f}x floor"
+            f"{n} adapters on {name:3s}: step {r.with_lora * 1e3:6.2f} ms against base "
+            f"{r.without * 1e3:6.2f} ms ({r.without / r.with_lora:.2f}x base throughput); "
+            f"adapter bytes per step {size / 2**20:6.1f} MiB; floor {floor * 1e3:5.2f} ms; "
+            f"extra over base {r.extra * 1e3:6.2f} ms = {r.extra / floor:.2f}x floor"
         )
     print("targets: q,v throughput >= 0.95x base; all-module extra <= 1.25x floor")
-    print("strategies (step ms; adapters x tokens per adapter):")
-    for key, value in results.items():
-        if " " in key and key.split()[1] in ("gathered", "grouped"):
-            print(f"  {key:22s} {value * 1e3:7.2f} ms")
+    print("strategies (adapters x tokens per adapter): step, base step, extra")
+    for key, r in results.items():
+        if " " in key:
+            print(
+                f"  {key:22s} {r.with_lora * 1e3:7.2f} ms {r.without * 1e3:7.2f} ms "
+                f"{r.extra * 1e3:6.2f} ms"
+            )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Every device-specific choice of the engine, made here and nowhere else.
 
-Batched LoRA: the Triton kernels on CUDA; on CPU the torch path that stacks decode tokens'
-adapters into batched matmuls (the Triton interpreter is for testing, far too slow to serve).
+Batched LoRA: the Triton kernels on CUDA; on CPU the native kernel (kernels/cpu_lora.c, built with
+the machine's C compiler) for decode tokens, or, where it cannot be built, the torch path that
+stacks decode tokens' adapters into batched matmuls (the Triton interpreter is for testing, far
+too slow to serve).
 
 On CPU, dense projections run through oneDNN with weights prepacked once at load time: on the
 2-core AVX-512 machines loraplex is developed on, that is 2-3x faster than the default BLAS path
@@ -11,12 +13,16 @@ CPU build without oneDNN), `torch.nn.functional.linear`.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
 
-LORA_BACKENDS = ("torch", "triton", "reference")
+from loraplex.kernels import cpu_lora
+
+LORA_BACKENDS = ("native", "torch", "triton", "reference")
 # CPU flags meaning bfloat16 matrix products run natively (Intel AMX, AVX512-BF16 on Intel and
 # AMD); without them bfloat16 is emulated and slower than float32.
 _NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -49,7 +55,30 @@ def choose_lora_backend(device: str, override: str | None) -> str:
         if override not in LORA_BACKENDS:
             raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {override!r}")
         return override
-    return "triton" if device.startswith("cuda") else "torch"
+    if device.startswith("cuda"):
+        return "triton"
+    return "native" if cpu_lora.load() is not None else "torch"
+
+
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux to back a large CPU tensor with transparent huge pages (it honours the request
+    where THP is in "madvise" mode, the common default). Decode steps stream adapter rows from
+    all over the page pool; with 4 KiB pages nearly every row is a TLB miss. Best effort: a
+    refusal changes nothing but speed."""
+    if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    if last <= first:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(first, last - first, _MADV_HUGEPAGE)
 
 
 # Row count oneDNN tunes the packed layout for; any row count works.

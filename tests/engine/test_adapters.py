@@ -41,7 +41,13 @@ def peft_reference(base_dir, adapter_dir, prompt_ids, max_tokens):
 
 @pytest.mark.parametrize(
     "backend, strategy",
-    [("torch", "grouped"), ("torch", "gathered"), ("reference", None), ("triton", None)],
+    [
+        ("native", None),
+        ("torch", "grouped"),
+        ("torch", "gathered"),
+        ("reference", None),
+        ("triton", None),
+    ],
 )
 def test_mixed_adapter_batch_matches_peft(
     tiny_llama, tiny_adapters, backend, strategy, report, monkeypatch

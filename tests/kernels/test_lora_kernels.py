@@ -1,4 +1,5 @@
-"""Triton batched-LoRA kernels (run by the interpreter on CPU) against the torch reference.
+"""Triton batched-LoRA kernels (run by the interpreter on CPU) and the CPU kernel against the
+torch reference.
 
 Tolerance: float32 storage 1e-4 absolute on outputs of magnitude ~1; bfloat16 storage compares
 against the reference on the same bfloat16 inputs with 2e-2 (one bfloat16 rounding of the result).
@@ -11,6 +12,8 @@ import random
 import pytest
 import torch
 
+from loraplex.engine.device import choose_lora_backend
+from loraplex.kernels import cpu_lora
 from loraplex.kernels.lora import (
     Segments,
     lora_expand_reference,
@@ -127,3 +130,79 @@ def test_expand_into_a_column_slice_of_a_wider_output():
     lora_expand_reference(ref[:, 30:70], v, pool, b_off, ranks, scales, segments)
     torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(fused[:, :30], ref[:, :30]) and torch.equal(fused[:, 70:], ref[:, 70:])
+
+
+# -- the CPU kernel (cpu_lora.c) ------------------------------------------------------------
+
+
+def native_kernel():
+    kernel = cpu_lora.load()
+    if kernel is None:
+        pytest.fail("the CPU LoRA kernel did not build: a C compiler is part of the setup")
+    return kernel
+
+
+def apply_native(x, y, pool, a_offsets, b_offsets, ranks, scales, segments):
+    """The kernel per segment, each token's rows listed out as the engine's decode groups do."""
+    kernel = native_kernel()
+    for start, length, slot in zip(
+        segments.starts.tolist(), segments.lens.tolist(), segments.slots.tolist(), strict=True
+    ):
+        rank = int(ranks[slot])
+        if rank == 0 or length == 0:
+            continue
+        rows = slice(start, start + length)
+        a_rows = a_offsets[slot, :rank].repeat(length).contiguous()
+        b_rows = b_offsets[slot, :rank].repeat(length).contiguous()
+        token_scales = scales[slot].repeat(length).contiguous()
+        kernel.apply(x[rows], y[rows], pool, a_rows, b_rows, rank, token_scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_native_cpu_kernel_matches_reference(case, dtype):
+    ranks, lens, base_rows = CASES[case]
+    x, y, pool, a_off, b_off, ranks_t, scales, segments = random_case(
+        11, ranks, lens, base_rows, dtype, in_features=200, out_features=300
+    )
+    y_ref, y_native = y.clone(), y.clone()
+    v = lora_shrink_reference(x, pool, a_off, ranks_t, segments)
+    lora_expand_reference(y_ref, v, pool, b_off, ranks_t, scales, segments)
+    apply_native(x, y_native, pool, a_off, b_off, ranks_t, scales, segments)
+    # the reference rounds v to bfloat16 before expanding; the kernel keeps it in float32
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(y_native.float(), y_ref.float(), atol=tol * 4, rtol=tol)
+    covered = torch.zeros(x.shape[0], dtype=torch.bool)
+    for start, length in zip(segments.starts.tolist(), segments.lens.tolist(), strict=True):
+        covered[start : start + length] = True
+    assert torch.equal(y_native[~covered], y[~covered])
+
+
+def test_native_cpu_kernel_writes_a_column_slice_of_a_wider_output():
+    x, _, pool, a_off, b_off, ranks, scales, segments = random_case(
+        5, [16, 4], [3, 2], 1, torch.float32, in_features=130, out_features=260
+    )
+    fused = torch.randn(x.shape[0], 400)  # like q, k, v split from the fused qkv output
+    ref = fused.clone()
+    v = lora_shrink_reference(x, pool, a_off, ranks, segments)
+    lora_expand_reference(ref[:, 70:330], v, pool, b_off, ranks, scales, segments)
+    apply_native(x, fused[:, 70:330], pool, a_off, b_off, ranks, scales, segments)
+    torch.testing.assert_close(fused, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(fused[:, :70], ref[:, :70]) and torch.equal(fused[:, 330:], ref[:, 330:])
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
+def test_without_a_working_compiler_the_cpu_falls_back_to_the_torch_path(
+    compiler, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("CC", compiler)
+    monkeypatch.setenv("PATH", "/nonexistent" if compiler.startswith("/") else "/usr/bin:/bin")
+    monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
+    cpu_lora.load.cache_clear()
+    try:
+        assert cpu_lora.load() is None
+        assert choose_lora_backend("cpu", None) == "torch"
+    finally:
+        monkeypatch.undo()
+        cpu_lora.load.cache_clear()
+    assert choose_lora_backend("cpu", None) == "native"  # back with the real compiler

@@ -24,6 +24,7 @@ import torch
 from loraplex.engine.adapters.manager import ResidentAdapter
 from loraplex.engine.adapters.peft_format import MODULES
 from loraplex.engine.workspace import Workspace
+from loraplex.kernels import cpu_lora
 from loraplex.kernels.lora import (
     Segments,
     lora_expand_reference,
@@ -33,8 +34,9 @@ from loraplex.kernels.lora import (
 )
 
 TokenRun = tuple[int, int, ResidentAdapter]  # (start, end, adapter)
-# decode tokens of one adapter at least this many: applied in place from the adapter's pages, once
-# for all of them; fewer: gathered with the other decode tokens (benchmarks/lora_floor.py)
+# torch path: decode tokens of one adapter at least this many are applied in place from the
+# adapter's pages, once for all of them; fewer are gathered with the other decode tokens
+# (benchmarks/lora_floor.py)
 GROUP_MIN_TOKENS = 2
 MODULE_INDEX = {module: i for i, module in enumerate(MODULES)}
 
@@ -61,8 +63,9 @@ def build_lora_batch(
 ) -> TorchLoRA | KernelLoRA | None:
     if all(adapter is None for adapter in token_adapters):
         return None
-    if backend == "torch":
-        return TorchLoRA(token_adapters, num_decodes, pool, workspace)
+    if backend in ("torch", "native"):
+        kernel = cpu_lora.load() if backend == "native" else None
+        return TorchLoRA(token_adapters, num_decodes, pool, workspace, kernel)
     return KernelLoRA(token_adapters, pool, use_triton=backend == "triton")
 
 
@@ -74,7 +77,7 @@ class DecodeGroup:
     end: int
     rank: int
     targets: frozenset[tuple[int, str]]
-    scales: torch.Tensor  # [n, 1, 1]
+    scales: torch.Tensor  # [n, 1, 1] float32
     a_rows: torch.Tensor  # [num_layers, num_modules, n * rank] pool offsets of lora_A rows
     b_rows: torch.Tensor  # [num_layers, num_modules, n * rank] pool offsets of lora_B^T rows
 
@@ -87,16 +90,17 @@ class DecodeGroup:
             end=runs[-1][1],
             rank=rank,
             targets=adapters[0].targets,
-            scales=torch.tensor([ad.scale for ad in adapters]).view(-1, 1, 1),
+            scales=torch.tensor([ad.scale for ad in adapters], dtype=torch.float32).view(-1, 1, 1),
             a_rows=torch.stack([ad.a_offsets for ad in adapters], 2).view(layers, modules, -1),
             b_rows=torch.stack([ad.b_offsets for ad in adapters], 2).view(layers, modules, -1),
         )
 
 
 class TorchLoRA:
-    """Decode tokens: per group, the adapters' rows are gathered from the pool in one
-    index_select (through an overlapping-window view, so rows may start anywhere) and applied with
-    batched matmuls. Multi-token runs of one adapter: plain matmuls on views of its pages."""
+    """Decode tokens, per group: the native kernel reads the adapters' rows in place; without it,
+    the rows are gathered from the pool in one index_select (through an overlapping-window view,
+    so rows may start anywhere) and applied with batched matmuls. Prefill spans (and, without the
+    kernel, decode runs of GROUP_MIN_TOKENS or more): plain matmuls on views of the pages."""
 
     def __init__(
         self,
@@ -104,14 +108,19 @@ class TorchLoRA:
         num_decodes: int,
         pool: torch.Tensor,
         workspace: Workspace,
+        kernel: cpu_lora.CpuLoRAKernel | None = None,
     ) -> None:
         self.workspace = workspace
         self.pool = pool.view(-1)
+        if kernel is not None and not kernel.supports(self.pool.dtype):
+            kernel = None
+        self.kernel = kernel
         self._windows: dict[int, torch.Tensor] = {}
         self.spans: list[TokenRun] = []
         singles: list[TokenRun] = []
-        for start, end, adapter in adapter_runs(token_adapters):
-            if end - start >= GROUP_MIN_TOKENS or start >= num_decodes:
+        min_run = GROUP_MIN_TOKENS if kernel is None else num_decodes + 1
+        for start, end, adapter in _split_at(adapter_runs(token_adapters), num_decodes):
+            if end - start >= min_run or start >= num_decodes:
                 self.spans.append((start, end, adapter))
             else:
                 singles += [(i, i + 1, adapter) for i in range(start, end)]
@@ -121,6 +130,11 @@ class TorchLoRA:
         key, m = (layer, module), MODULE_INDEX[module]
         for g in self.groups:
             if key not in g.targets:
+                continue
+            if self.kernel is not None and g.rank <= cpu_lora.MAX_RANK:
+                rows = slice(g.start, g.end)
+                a_rows, b_rows = g.a_rows[layer, m], g.b_rows[layer, m]
+                self.kernel.apply(x[rows], y[rows], self.pool, a_rows, b_rows, g.rank, g.scales)
                 continue
             n = g.end - g.start
             a = self._gather("lora_a", g.a_rows[layer, m], x.shape[1]).view(n, g.rank, -1)
@@ -142,6 +156,17 @@ class TorchLoRA:
             self._windows[width] = window
         out = self.workspace.take(name, (rows.shape[0], width), self.pool.dtype)
         return torch.index_select(window, 0, rows, out=out)
+
+
+def _split_at(runs: list[TokenRun], boundary: int) -> list[TokenRun]:
+    """The runs, a run across the last decode and first prefill token cut in two."""
+    out: list[TokenRun] = []
+    for start, end, adapter in runs:
+        if start < boundary < end:
+            out += [(start, boundary, adapter), (boundary, end, adapter)]
+        else:
+            out.append((start, end, adapter))
+    return out
 
 
 def _split_by_shape(singles: list[TokenRun]) -> list[list[TokenRun]]:
