@@ -13,9 +13,7 @@ CPU build without oneDNN), `torch.nn.functional.linear`.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -58,27 +56,6 @@ def choose_lora_backend(device: str, override: str | None) -> str:
     if device.startswith("cuda"):
         return "triton"
     return "native" if cpu_lora.load() is not None else "torch"
-
-
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE = 2 << 20
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask Linux to back a large CPU tensor with transparent huge pages (it honours the request
-    where THP is in "madvise" mode, the common default). Decode steps stream adapter rows from
-    all over the page pool; with 4 KiB pages nearly every row is a TLB miss. Best effort: a
-    refusal changes nothing but speed."""
-    if tensor.device.type != "cpu" or not sys.platform.startswith("linux"):
-        return
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
-    if last <= first:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(first, last - first, _MADV_HUGEPAGE)
 
 
 # Row count oneDNN tunes the packed layout for; any row count works.

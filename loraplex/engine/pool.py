@@ -20,8 +20,6 @@ from collections.abc import Callable
 
 import torch
 
-from loraplex.engine.device import advise_huge_pages
-
 
 class PagePool:
     """Free-list allocator over `num_pages` pages of `page_numel` elements each.
@@ -35,9 +33,7 @@ class PagePool:
             raise ValueError(f"the page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.page_numel = page_numel
-        self.data = torch.empty(num_pages, page_numel, dtype=dtype, device=device)
-        advise_huge_pages(self.data)  # before first touch, so the kernel backs it with 2 MiB pages
-        self.data.zero_()
+        self.data = torch.zeros(num_pages, page_numel, dtype=dtype, device=device)
         # Pop from the end: low page ids are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._reclaimable: Callable[[], int] = lambda: 0
