@@ -48,6 +48,9 @@ def _decode(
     kv = _gather(
         kv_cache, batch.decode_block_tables, batch.workspace
     )  # [B, ctx, 2, kv_heads, head_dim]
+    dtype = q.dtype
+    compute = batch.decode_mask.dtype  # device.decode_attention_dtype
+    q, kv = q.to(compute), kv.to(compute)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, heads, 1, head_dim]
         kv[:, :, 0].transpose(1, 2),  # [B, kv_heads, ctx, head_dim]
@@ -56,7 +59,7 @@ def _decode(
         scale=scale,
         enable_gqa=True,
     )
-    return out.squeeze(2)
+    return out.squeeze(2).to(dtype)
 
 
 def _prefill(

@@ -48,6 +48,14 @@ def choose_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
+def decode_attention_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
+    """The dtype decode attention computes in. On CPU always float32: torch's CPU attention
+    kernel is several times slower in bfloat16 than in float32 for one query row per sequence
+    (2.3 against 0.4 ms for 32 sequences of 128 tokens, 9 heads, on a Zen 5 with AVX512-BF16),
+    and upcasting the gathered keys and values costs less than the difference."""
+    return torch.float32 if device == "cpu" else dtype
+
+
 def choose_lora_backend(device: str, override: str | None) -> str:
     if override is not None:
         if override not in LORA_BACKENDS:

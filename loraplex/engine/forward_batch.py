@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.adapters.lora_batch import KernelLoRA, TorchLoRA, build_lora_batch
+from loraplex.engine.device import decode_attention_dtype
 from loraplex.engine.scheduler import Scheduled
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.workspace import Workspace
@@ -39,7 +40,8 @@ class ForwardBatch:
     slot_offsets: torch.Tensor  # [num_tokens] row inside that page
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_pages]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_pages * page_size] additive
+    # [num_decodes, 1, 1, max_pages * page_size] additive, in the dtype decode attention computes in
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan]
     # rows whose logits are needed: the sampled ones, then those of `prompt_targets`
     logits_indices: torch.Tensor
@@ -152,6 +154,6 @@ def _decode_tables(decodes: list[Sequence], page_size: int, dtype: torch.dtype, 
     tables = torch.tensor(rows, dtype=torch.long, device=device)
     lens = torch.tensor(context_lens, device=device)
     visible = torch.arange(max_pages * page_size, device=device)[None, :] < lens[:, None]
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask = torch.zeros(visible.shape, dtype=decode_attention_dtype(dtype, device), device=device)
     mask.masked_fill_(~visible, float("-inf"))
     return tables, mask[:, None, None, :]
