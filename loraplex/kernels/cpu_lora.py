@@ -1,5 +1,5 @@
 """The CPU LoRA kernel (cpu_lora.c): built once per machine with its own C compiler, loaded with
-ctypes, called once per (layer, module, decode group).
+ctypes, called once per (layer, module, group of runs).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -33,7 +33,7 @@ MAX_RANK = 1024  # as in cpu_lora.c; a larger rank takes the torch path
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 _ARGTYPES += [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-_ARGTYPES += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+_ARGTYPES += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
 
 
 def cache_dir() -> Path:
@@ -110,12 +110,14 @@ class CpuLoRAKernel:
         pool: torch.Tensor,
         a_rows: torch.Tensor,
         b_rows: torch.Tensor,
+        slots: torch.Tensor,
         rank: int,
         scales: torch.Tensor,
     ) -> None:
-        """y[t] += scales[t] * (x[t] @ A_t^T) @ B_t for every row t of x and y (2-D, unit column
-        stride), with token t's rows at a_rows[t*rank : (t+1)*rank] and b_rows[...] in the flat
-        pool (int64, contiguous); scales float32 [n]. Same dtype for x, y and pool."""
+        """y[t] += scales[s] * (x[t] @ A_s^T) @ B_s for every row t of x and y (2-D, unit column
+        stride), s = slots[t], with run s's rows at a_rows[s*rank : (s+1)*rank] and b_rows[...]
+        in the flat pool (int64, contiguous, as is slots); scales float32 [runs]. Same dtype for
+        x, y and pool."""
         n, fin = x.shape
         if n == 0:
             return
@@ -123,8 +125,8 @@ class CpuLoRAKernel:
             raise ValueError("x and y need unit column stride")
         status = self._functions[pool.dtype](
             x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), n, fin, y.shape[1],
-            pool.data_ptr(), a_rows.data_ptr(), b_rows.data_ptr(), rank, scales.data_ptr(),
-            torch.get_num_threads(),
+            pool.data_ptr(), a_rows.data_ptr(), b_rows.data_ptr(), slots.data_ptr(), rank,
+            scales.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")

@@ -7,7 +7,10 @@ against the reference on the same bfloat16 inputs with 2e-2 (one bfloat16 roundi
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import random
+import subprocess
 
 import pytest
 import torch
@@ -87,6 +90,7 @@ CASES = {
     "all base rows": ([8], [], 5),
     "single token": ([16], [1], 0),
     "one long segment": ([32], [37], 0),
+    "runs of one rank": ([16, 16, 16], [3, 1, 5, 2, 1], 1),
 }
 
 
@@ -142,33 +146,58 @@ def native_kernel():
     return kernel
 
 
-def apply_native(x, y, pool, a_offsets, b_offsets, ranks, scales, segments):
-    """The kernel per segment, each token's rows listed out as the engine's decode groups do."""
-    kernel = native_kernel()
-    for start, length, slot in zip(
-        segments.starts.tolist(), segments.lens.tolist(), segments.slots.tolist(), strict=True
-    ):
-        rank = int(ranks[slot])
-        if rank == 0 or length == 0:
-            continue
-        rows = slice(start, start + length)
-        a_rows = a_offsets[slot, :rank].repeat(length).contiguous()
-        b_rows = b_offsets[slot, :rank].repeat(length).contiguous()
-        token_scales = scales[slot].repeat(length).contiguous()
-        kernel.apply(x[rows], y[rows], pool, a_rows, b_rows, rank, token_scales)
+@pytest.fixture(scope="module", params=["native", "without AVX-512"])
+def kernel_build(request, tmp_path_factory):
+    """The kernel as this machine builds it, and, on x86-64, built for AVX2 only: the portable
+    loops that CPUs without AVX-512 run (the native build uses AVX-512 intrinsics where it can)."""
+    if request.param == "native":
+        return native_kernel()
+    if platform.machine() != "x86_64":
+        pytest.skip("the AVX2-only build is an x86-64 target")
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_lora.FLAGS]
+    target = tmp_path_factory.mktemp("kernel") / "cpu_lora_avx2.so"
+    compiler = cpu_lora._compiler()
+    subprocess.run([compiler, *flags, str(cpu_lora.SOURCE), "-o", str(target)], check=True)
+    return cpu_lora.CpuLoRAKernel(ctypes.CDLL(str(target)))
+
+
+def apply_native(x, y, pool, a_offsets, b_offsets, ranks, scales, segments, kernel=None):
+    """The kernel as the engine calls it: consecutive segments of one rank in one call, each
+    segment a run whose tokens share its rows."""
+    kernel = kernel or native_kernel()
+    runs = [
+        (start, length, slot, int(ranks[slot]))
+        for start, length, slot in zip(
+            segments.starts.tolist(), segments.lens.tolist(), segments.slots.tolist(), strict=True
+        )
+        if length and int(ranks[slot])
+    ]
+    while runs:
+        rank = runs[0][3]
+        group = [runs.pop(0)]
+        while runs and runs[0][3] == rank and runs[0][0] == group[-1][0] + group[-1][1]:
+            group.append(runs.pop(0))
+        slots = [slot for _, _, slot, _ in group]
+        rows = slice(group[0][0], group[-1][0] + group[-1][1])
+        a_rows = torch.cat([a_offsets[slot, :rank] for slot in slots])
+        b_rows = torch.cat([b_offsets[slot, :rank] for slot in slots])
+        lengths = torch.tensor([length for _, length, _, _ in group])
+        token_runs = torch.arange(len(group)).repeat_interleave(lengths)
+        kernel.apply(x[rows], y[rows], pool, a_rows, b_rows, token_runs, rank, scales[slots])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_native_cpu_kernel_matches_reference(case, dtype):
+def test_native_cpu_kernel_matches_reference(case, dtype, kernel_build):
     ranks, lens, base_rows = CASES[case]
+    # 600 inputs: one full 512-element chunk of the bfloat16 path and a ragged tail
     x, y, pool, a_off, b_off, ranks_t, scales, segments = random_case(
-        11, ranks, lens, base_rows, dtype, in_features=200, out_features=300
+        11, ranks, lens, base_rows, dtype, in_features=600, out_features=300
     )
     y_ref, y_native = y.clone(), y.clone()
     v = lora_shrink_reference(x, pool, a_off, ranks_t, segments)
     lora_expand_reference(y_ref, v, pool, b_off, ranks_t, scales, segments)
-    apply_native(x, y_native, pool, a_off, b_off, ranks_t, scales, segments)
+    apply_native(x, y_native, pool, a_off, b_off, ranks_t, scales, segments, kernel_build)
     # the reference rounds v to bfloat16 before expanding; the kernel keeps it in float32
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(y_native.float(), y_ref.float(), atol=tol * 4, rtol=tol)

@@ -8,9 +8,10 @@ decodes by adapter; a prefill span is one sequence, hence one adapter):
 
 Two ways to apply them, with the same result:
 
-* `TorchLoRA` (CPU): for decode tokens whose adapters share rank and modules, each projection
-  gathers all their rows from the pool in one index_select and applies them with two batched
-  matmuls; longer single-adapter runs use plain matmuls on views of the adapter's pool pages.
+* `TorchLoRA` (CPU): the native kernel (kernels/cpu_lora.c) reads every decode token's and every
+  short prefill span's rows in place; without it, decode tokens whose adapters share rank and
+  modules gather all their rows from the pool in one index_select and apply them with two
+  batched matmuls. Long prefill spans use plain matmuls on views of the adapter's pool pages.
 * `KernelLoRA` (CUDA: Triton; or the torch reference): the shrink/expand kernels over all segments
   in one launch each, adapters addressed through per-row pool offsets.
 """
@@ -38,6 +39,11 @@ TokenRun = tuple[int, int, ResidentAdapter]  # (start, end, adapter)
 # adapter's pages, once for all of them; fewer are gathered with the other decode tokens
 # (benchmarks/lora_floor.py)
 GROUP_MIN_TOKENS = 2
+# with the native kernel: prefill spans up to this long go through it too (per token, the rows in
+# cache after the first), longer ones through two matmuls, whose fixed cost (15-45 us a call on
+# 2 cores) the kernel undercuts up to 16 tokens in float32 and 32 in bfloat16 (measured at
+# SmolLM2's shapes, rank 16)
+KERNEL_MAX_SPAN = 16
 MODULE_INDEX = {module: i for i, module in enumerate(MODULES)}
 
 
@@ -70,37 +76,42 @@ def build_lora_batch(
 
 
 @dataclass(frozen=True)
-class DecodeGroup:
-    """Decode tokens start..end, one per sequence, whose adapters share rank and targets."""
+class RunGroup:
+    """Consecutive runs, tokens start..end, whose adapters share rank and targets (decode tokens
+    are runs of one token)."""
 
     start: int
     end: int
     rank: int
     targets: frozenset[tuple[int, str]]
-    scales: torch.Tensor  # [n, 1, 1] float32
-    a_rows: torch.Tensor  # [num_layers, num_modules, n * rank] pool offsets of lora_A rows
-    b_rows: torch.Tensor  # [num_layers, num_modules, n * rank] pool offsets of lora_B^T rows
+    scales: torch.Tensor  # [runs] float32
+    a_rows: torch.Tensor  # [num_layers, num_modules, runs * rank] pool offsets of lora_A rows
+    b_rows: torch.Tensor  # [num_layers, num_modules, runs * rank] pool offsets of lora_B^T rows
+    slots: torch.Tensor  # [end - start] int64: each token's run
 
     @classmethod
-    def of(cls, runs: list[TokenRun]) -> DecodeGroup:
+    def of(cls, runs: list[TokenRun]) -> RunGroup:
         adapters = [adapter for _, _, adapter in runs]
         layers, modules, rank = adapters[0].a_offsets.shape
+        lengths = torch.tensor([end - start for start, end, _ in runs])
         return cls(
             start=runs[0][0],
             end=runs[-1][1],
             rank=rank,
             targets=adapters[0].targets,
-            scales=torch.tensor([ad.scale for ad in adapters], dtype=torch.float32).view(-1, 1, 1),
+            scales=torch.tensor([ad.scale for ad in adapters], dtype=torch.float32),
             a_rows=torch.stack([ad.a_offsets for ad in adapters], 2).view(layers, modules, -1),
             b_rows=torch.stack([ad.b_offsets for ad in adapters], 2).view(layers, modules, -1),
+            slots=torch.arange(len(runs)).repeat_interleave(lengths),
         )
 
 
 class TorchLoRA:
-    """Decode tokens, per group: the native kernel reads the adapters' rows in place; without it,
-    the rows are gathered from the pool in one index_select (through an overlapping-window view,
-    so rows may start anywhere) and applied with batched matmuls. Prefill spans (and, without the
-    kernel, decode runs of GROUP_MIN_TOKENS or more): plain matmuls on views of the pages."""
+    """Per group of runs: the native kernel reads the adapters' rows in place (decode tokens and
+    prefill spans up to KERNEL_MAX_SPAN); without it, decode tokens' rows are gathered from the
+    pool in one index_select (through an overlapping-window view, so rows may start anywhere) and
+    applied with batched matmuls. Longer prefill spans (and, without the kernel, decode runs of
+    GROUP_MIN_TOKENS or more): plain matmuls on views of the pages."""
 
     def __init__(
         self,
@@ -117,14 +128,17 @@ class TorchLoRA:
         self.kernel = kernel
         self._windows: dict[int, torch.Tensor] = {}
         self.spans: list[TokenRun] = []
-        singles: list[TokenRun] = []
-        min_run = GROUP_MIN_TOKENS if kernel is None else num_decodes + 1
+        grouped: list[TokenRun] = []
         for start, end, adapter in _split_at(adapter_runs(token_adapters), num_decodes):
-            if end - start >= min_run or start >= num_decodes:
-                self.spans.append((start, end, adapter))
+            decode = start < num_decodes
+            native = kernel is not None and adapter.rank <= cpu_lora.MAX_RANK
+            if native and not decode and end - start <= KERNEL_MAX_SPAN:
+                grouped.append((start, end, adapter))  # a prefill span: one run
+            elif decode and (kernel is not None or end - start < GROUP_MIN_TOKENS):
+                grouped += [(i, i + 1, adapter) for i in range(start, end)]  # one per sequence
             else:
-                singles += [(i, i + 1, adapter) for i in range(start, end)]
-        self.groups = [DecodeGroup.of(g) for g in _split_by_shape(singles)]
+                self.spans.append((start, end, adapter))
+        self.groups = [RunGroup.of(g) for g in _split_by_shape(grouped)]
 
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         key, m = (layer, module), MODULE_INDEX[module]
@@ -134,11 +148,14 @@ class TorchLoRA:
             if self.kernel is not None and g.rank <= cpu_lora.MAX_RANK:
                 rows = slice(g.start, g.end)
                 a_rows, b_rows = g.a_rows[layer, m], g.b_rows[layer, m]
-                self.kernel.apply(x[rows], y[rows], self.pool, a_rows, b_rows, g.rank, g.scales)
+                self.kernel.apply(
+                    x[rows], y[rows], self.pool, a_rows, b_rows, g.slots, g.rank, g.scales
+                )
                 continue
-            n = g.end - g.start
+            n = g.end - g.start  # one token per run here
             a = self._gather("lora_a", g.a_rows[layer, m], x.shape[1]).view(n, g.rank, -1)
-            v = torch.bmm(x[g.start : g.end].unsqueeze(1), a.transpose(1, 2)).mul_(g.scales)
+            v = torch.bmm(x[g.start : g.end].unsqueeze(1), a.transpose(1, 2))
+            v.mul_(g.scales.view(-1, 1, 1))
             b = self._gather("lora_b", g.b_rows[layer, m], y.shape[1]).view(n, g.rank, -1)
             y[g.start : g.end].add_(torch.bmm(v, b).squeeze(1))
         for start, end, adapter in self.spans:
@@ -169,10 +186,10 @@ def _split_at(runs: list[TokenRun], boundary: int) -> list[TokenRun]:
     return out
 
 
-def _split_by_shape(singles: list[TokenRun]) -> list[list[TokenRun]]:
-    """Consecutive single tokens whose adapters have equal rank and targets, grouped."""
+def _split_by_shape(runs: list[TokenRun]) -> list[list[TokenRun]]:
+    """Consecutive runs whose adapters have equal rank and targets, grouped."""
     groups: list[list[TokenRun]] = []
-    for run in singles:
+    for run in runs:
         last = groups[-1][-1] if groups else None
         if last and run[0] == last[1] and _shape(run[2]) == _shape(last[2]):
             groups[-1].append(run)
