@@ -24,6 +24,7 @@ from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.outputs import RequestDelta, SequenceDelta
 from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from loraplex.engine.sequence import TokenLogprob
+from loraplex.engine.structured import StructuredOutput
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -47,6 +48,7 @@ __all__ = [
     "ResidentInfo",
     "SamplingParams",
     "SequenceDelta",
+    "StructuredOutput",
     "TokenLogprob",
     "UnsupportedModelError",
 ]

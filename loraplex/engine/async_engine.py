@@ -135,6 +135,9 @@ class AsyncEngine:
         already in host memory (no disk read) are checked on the spot, sparing a thread hop."""
         adapter = self._engine.catalog.cached(lora.adapter_id, lora.path) if lora else None
         quick = isinstance(prompt, list) and len(prompt) <= QUICK_PROMPT_TOKENS
+        constraint = params.structured_outputs if isinstance(params, SamplingParams) else None
+        if constraint is not None:  # a compile may take long: not on the event loop
+            quick = quick and self._engine.grammars.is_cached(constraint)
         if quick and (lora is None or adapter is not None):
             return self._engine.make_request(prompt, params, request_id, lora, tag, adapter)
         return await asyncio.to_thread(
@@ -189,9 +192,10 @@ class AsyncEngine:
 
     # -- for the server ---------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The conversation through the model's chat template, as token ids. Any thread."""
-        return self._engine.tokenizer.encode_chat(messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The conversation (and the tools, where the template renders them) through the model's
+        chat template, as token ids. Any thread."""
+        return self._engine.tokenizer.encode_chat(messages, tools)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes of one token (for logprobs). Any thread."""

@@ -5,6 +5,7 @@ they touch no engine-thread state, so any thread may call them (and they may rea
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.sequence import Sequence, Status
 from loraplex.engine.stats import StepCounters
+from loraplex.engine.structured import Grammars
 from loraplex.engine.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, Sampler(config.seed), config)
         self.requests: dict[str, Request] = {}
         self.counters = StepCounters()
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         logger.info(
             "engine ready: %s, %d pages of %d tokens (%.1f MiB each)",
             self.model_dir,
@@ -116,13 +120,16 @@ class LLMEngine:
         self._check_token_params(params)
         if adapter is None and lora is not None:
             adapter = self.catalog.get(lora.adapter_id, lora.path)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
         adapter_pages = self.adapters.plan_pages(adapter.weights) if adapter else 0
         max_tokens = self._check_lengths(len(token_ids), params, adapter, adapter_pages)
         num_pages_needed = self.kv.pages_for(len(token_ids) + max_tokens) + adapter_pages
         self._check_fits_pool(num_pages_needed, adapter, len(token_ids), max_tokens)
         request_id = request_id or uuid.uuid4().hex
         seqs = [
-            self._make_sequence(request_id, i, token_ids, params, max_tokens, adapter)
+            self._make_sequence(request_id, i, token_ids, params, max_tokens, adapter, grammar)
             for i in range(params.n)
         ]
         return Request(request_id, text, token_ids, seqs, num_pages_needed, tag)
@@ -202,6 +209,7 @@ class LLMEngine:
         params: SamplingParams,
         max_tokens: int,
         adapter: AdapterRef | None,
+        grammar: object = None,
     ) -> Sequence:
         generator = None
         if params.seed is not None:
@@ -220,7 +228,20 @@ class LLMEngine:
             detokenizer=detokenizer,
             generator=generator,
             adapter=adapter,
+            matcher=self.grammars.matcher(grammar) if grammar is not None else None,
         )
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler, made on first use (xgrammar loads then). Any thread."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(
+                    self.tokenizer.hf,
+                    self.model_config.vocab_size,
+                    list(self.model_config.eos_token_ids),
+                )
+            return self._grammars
 
     def add_request(self, request: Request) -> None:
         """Queue a request made by `make_request`. Raises InvalidRequestError if its id is in
@@ -264,6 +285,9 @@ class LLMEngine:
         touched: dict[str, list[Sequence]] = {}
         for seq, token, logprob in result.sampled:
             seq.token_ids.append(token)
+            if seq.matcher is not None and not seq.matcher.accept(token):
+                # the mask allowed only tokens the grammar takes: this cannot happen
+                logger.error("request %s: a masked token was sampled", seq.request_id)
             seq.first_token_time = seq.first_token_time or now
             if logprob is not None:
                 seq.logprobs.append(logprob)
@@ -293,7 +317,7 @@ class LLMEngine:
         ):
             return "stop"
         seq.detokenizer.add_token(token)
-        if seq.detokenizer.stopped:
+        if seq.detokenizer.stopped or (seq.matcher is not None and seq.matcher.finished):
             return "stop"
         if seq.num_output_tokens >= seq.max_tokens:
             return "length"

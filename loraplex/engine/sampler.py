@@ -1,8 +1,9 @@
 """Turns a step's logits into one token per sampling sequence.
 
 Order, as OpenAI and vLLM apply it: frequency/presence penalties on the raw logits, then the
-logit bias, then greedy argmax, or temperature -> top-k -> top-p -> a draw from the sequence's
-own generator (so a seeded request draws the same numbers whatever else shares the batch).
+logit bias, then the structured-output mask (constrained rows only), then greedy argmax, or
+temperature -> top-k -> top-p -> a draw from the sequence's own generator (so a seeded request
+draws the same numbers whatever else shares the batch).
 Log-probabilities are those of the model's raw distribution.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.sequence import Sequence, TokenLogprob
+from loraplex.engine.structured import mask_logits
 
 
 class Sampler:
@@ -28,6 +30,8 @@ class Sampler:
             logits = _apply_penalties(logits, seqs)
         if any(seq.params.logit_bias for seq in seqs):
             logits = _apply_logit_bias(logits, seqs)
+        if any(seq.matcher is not None for seq in seqs):
+            mask_logits(logits, [seq.matcher for seq in seqs])
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if random_rows:

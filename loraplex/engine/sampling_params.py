@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from loraplex.engine.errors import InvalidRequestError, shown
+from loraplex.engine.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1000  # characters per stop string
@@ -31,6 +32,8 @@ class SamplingParams:
     `logprobs=k` returns the sampled token's and the k most likely alternatives' (k may be 0).
     `max_tokens=None` runs to the end of the model's context. `logit_bias` maps token ids to a
     value in [-100, 100] added to their logits before sampling (OpenAI's semantics).
+    `structured_outputs` constrains the output (a JSON schema, any JSON object, a regex, a choice,
+    a grammar); the request ends with "stop" when the constraint is complete, or "length" first.
     """
 
     n: int = 1
@@ -48,6 +51,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -71,6 +75,14 @@ class SamplingParams:
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutput
+        ):
+            raise _invalid(
+                "structured_outputs",
+                "structured_outputs must be a StructuredOutput, got "
+                f"{shown(self.structured_outputs)}",
+            )
 
     @property
     def greedy(self) -> bool:

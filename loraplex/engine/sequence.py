@@ -11,6 +11,7 @@ import torch
 from loraplex.engine.adapters.catalog import AdapterRef
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.structured import Matcher
 
 
 class Status(enum.Enum):
@@ -44,6 +45,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     adapter: AdapterRef | None = None
+    matcher: Matcher | None = None  # where its output stands in its constraint's grammar
     holds_adapter: bool = False  # counted as a user of its resident adapter (while running)
     num_bypassed: int = 0  # steps in which later requests were admitted ahead of this one
     arrival_time: float = field(default_factory=time.monotonic)

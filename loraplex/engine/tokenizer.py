@@ -29,7 +29,12 @@ class TokenizerWrapper:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
         """Raises InvalidRequestError for a model without a template or messages it refuses."""
         if not self.hf.chat_template:
             raise InvalidRequestError(
@@ -38,7 +43,7 @@ class TokenizerWrapper:
         _check_messages(messages)
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except jinja2.TemplateError as error:  # templates raise to refuse, e.g. role order
             raise InvalidRequestError(
@@ -62,9 +67,10 @@ class TokenizerWrapper:
             return bytes([int(byte.group(1), 16)])
         return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # The template already holds any BOS token; adding special tokens again would double it.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        text = self.apply_chat_template(messages, tools=tools)
+        return self.encode(text, add_special_tokens=False)
 
 
 def _check_messages(messages: object) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.engine.api import InvalidRequestError, SamplingParams
+from loraplex.engine.api import InvalidRequestError, SamplingParams, StructuredOutput
 from loraplex.platform.errors import invalid_request, unsupported_field
 from loraplex.platform.openai_schema import ChatCompletionRequest, CompletionRequest
 
@@ -15,16 +15,10 @@ _UNSUPPORTED_UNLESS = {
     "min_tokens": (None, 0),
     "repetition_penalty": (None, 1.0),
     "include_stop_str_in_output": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "priority": (None, 0),
     "suffix": (None, ""),
 }
 _CHAT_UNSUPPORTED_UNLESS = {
-    "tools": (None, []),
     "functions": (None, []),
     "function_call": (None, "none"),
     "metadata": (None, {}),
@@ -58,11 +52,6 @@ def refuse_unsupported(request: ChatCompletionRequest | CompletionRequest) -> No
 
 
 def _refuse_chat_only(request: ChatCompletionRequest) -> None:
-    if request.tool_choice not in (None, "none"):
-        raise unsupported_field("tool_choice", "tool calls are not served yet")
-    response_type = (request.response_format or {"type": "text"}).get("type")
-    if response_type != "text":
-        raise unsupported_field("response_format", f"type {response_type!r} is not served yet")
     if request.modalities not in (None, ["text"]):
         raise unsupported_field("modalities", "only text is served")
     if request.top_logprobs is not None and not request.logprobs:
@@ -75,7 +64,10 @@ def max_tokens(request: ChatCompletionRequest | CompletionRequest) -> int | None
     return request.max_tokens
 
 
-def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def sampling_params(
+    request: ChatCompletionRequest | CompletionRequest,
+    structured_outputs: StructuredOutput | None = None,
+) -> SamplingParams:
     """Raises APIError (400) naming the field."""
     options: dict[str, Any] = {
         "n": request.n or 1,
@@ -94,6 +86,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest) -> Sampl
         if request.skip_special_tokens is None
         else request.skip_special_tokens,
         "logit_bias": request.logit_bias,
+        "structured_outputs": structured_outputs,
     }
     try:
         return SamplingParams(**options)

@@ -39,6 +39,7 @@ from loraplex.platform.errors import (
 )
 from loraplex.platform.sampling import refuse_unsupported, sampling_params
 from loraplex.platform.state import Platform
+from loraplex.platform.structured import ToolPlan, constraint
 
 router = APIRouter(tags=["openai"])
 BODY_MODELS = (oa.ChatCompletionRequest, oa.CompletionRequest)  # described in the OpenAPI
@@ -120,54 +121,63 @@ async def chat_completions(request: Request):
     call = Call(platform, caller, body.model, "chatcmpl", request)
     async with ending_on_error(call):
         refuse_unsupported(body)
-        params = sampling_params(body)
+        structured, plan = constraint(body)
+        params = sampling_params(body, structured)
         target = await platform.directory.resolve(caller, body.model)
         call.adapter_id, call.resolved = target.adapter_id, True
-        prompt = await _encode_chat(engine, body.messages)
+        tools = body.tools if plan is not None else None
+        prompt = await _encode_chat(engine, body.messages, tools)
         await call.admit(len(prompt) + (params.max_tokens or 0))
         if body.stream:
             async with cancelled_on_disconnect(request):
                 primed = await start(engine, call, [prompt], params, target.lora)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = _chat_stream(engine, call, primed, include_usage, platform.fingerprint)
+            stream = _chat_stream(engine, call, primed, include_usage, platform.fingerprint, plan)
             return StreamingResponse(stream, media_type=EVENT_STREAM, headers=call.headers)
         async with cancelled_on_disconnect(request):
             reply = await _chat_reply(
-                engine, call, prompt, params, target.lora, platform.fingerprint
+                engine, call, prompt, params, target.lora, platform.fingerprint, plan
             )
         await call.finish(200)
         return json_reply(reply, call)
 
 
-async def _chat_reply(engine, call, prompt, params, lora, fingerprint) -> oa.ChatCompletion:
+async def _chat_reply(
+    engine, call, prompt, params, lora, fingerprint, plan: ToolPlan | None
+) -> oa.ChatCompletion:
     primed = await start(engine, call, [prompt], params, lora)
     choices = await collect(call, primed, params.n)
+    replies = []
+    for i, state in choices.items():
+        message, reason = oa.AssistantMessage(content=state.text), state.finish_reason
+        calls = plan.calls(state.text) if plan is not None and reason == "stop" else None
+        if calls:
+            message, reason = (
+                oa.AssistantMessage(content=None, tool_calls=calls),
+                plan.finish_reason,
+            )
+        logprobs = chat_logprobs(engine, state.logprobs) if params.logprobs is not None else None
+        replies.append(
+            oa.ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason)
+        )
     return oa.ChatCompletion(
         id=call.id,
         created=call.created,
         model=call.model,
         system_fingerprint=fingerprint,
-        choices=[
-            oa.ChatChoice(
-                index=i,
-                message=oa.AssistantMessage(content=state.text),
-                logprobs=chat_logprobs(engine, state.logprobs)
-                if params.logprobs is not None
-                else None,
-                finish_reason=state.finish_reason,
-            )
-            for i, state in choices.items()
-        ],
+        choices=replies,
         usage=usage(call),
     )
 
 
-async def _encode_chat(engine: AsyncEngine, messages: list[oa.ChatMessage]) -> list[int]:
+async def _encode_chat(
+    engine: AsyncEngine, messages: list[oa.ChatMessage], tools: list[dict] | None = None
+) -> list[int]:
     conversation = [_template_message(i, m) for i, m in enumerate(messages)]
     try:
-        if sum(len(m["content"]) for m in conversation) <= INLINE_CHAT_CHARACTERS:
+        if sum(len(m["content"]) for m in conversation) <= INLINE_CHAT_CHARACTERS and not tools:
             return engine.encode_chat(conversation)
-        return await asyncio.to_thread(engine.encode_chat, conversation)
+        return await asyncio.to_thread(engine.encode_chat, conversation, tools)
     except InvalidRequestError as error:
         raise invalid_request(str(error), param="messages") from None
 
@@ -191,7 +201,12 @@ def _template_message(index: int, message: oa.ChatMessage) -> dict:
 
 
 async def _chat_stream(
-    engine: AsyncEngine, call: Call, primed, include_usage: bool, fingerprint: str
+    engine: AsyncEngine,
+    call: Call,
+    primed,
+    include_usage: bool,
+    fingerprint: str,
+    plan: ToolPlan | None = None,
 ) -> AsyncIterator[str]:
     def chunk(choices, usage_=None) -> str:
         return sse(
@@ -206,6 +221,7 @@ async def _chat_stream(
         )
 
     status, started = 200, set()
+    held: dict[int, str] = {}  # tool-call output, sent whole once complete
     try:
         async for _, delta in deltas(call, primed):
             for out in delta.outputs:
@@ -213,15 +229,31 @@ async def _chat_stream(
                     started.add(out.index)
                     role = oa.ChatDelta(role="assistant", content="")
                     yield chunk([oa.ChunkChoice(index=out.index, delta=role)])
-                if out.text or out.logprobs:
+                reason = finish_reason(out.finish_reason)
+                if plan is not None:
+                    held[out.index] = held.get(out.index, "") + out.text
+                    text, calls = held[out.index], None
+                    if reason == "stop":
+                        calls = plan.calls(text)
+                    if calls:
+                        listed = [
+                            oa.ChunkToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)
+                        ]
+                        yield chunk(
+                            [oa.ChunkChoice(index=out.index, delta=oa.ChatDelta(tool_calls=listed))]
+                        )
+                        reason = plan.finish_reason
+                    elif reason:  # cut short: the text as it is
+                        yield chunk(
+                            [oa.ChunkChoice(index=out.index, delta=oa.ChatDelta(content=text))]
+                        )
+                elif out.text or out.logprobs:
                     logprobs = chat_logprobs(engine, out.logprobs) if out.logprobs else None
                     content = oa.ChatDelta(content=out.text)
                     yield chunk([oa.ChunkChoice(index=out.index, delta=content, logprobs=logprobs)])
-                if finish_reason(out.finish_reason):
+                if reason:
                     end = oa.ChunkChoice(
-                        index=out.index,
-                        delta=oa.ChatDelta(),
-                        finish_reason=finish_reason(out.finish_reason),
+                        index=out.index, delta=oa.ChatDelta(), finish_reason=reason
                     )
                     yield chunk([end])
         if include_usage:
@@ -250,7 +282,7 @@ async def completions(request: Request):
     call = Call(platform, caller, body.model, "cmpl", request)
     async with ending_on_error(call):
         refuse_unsupported(body)
-        params = sampling_params(body)
+        params = sampling_params(body, constraint(body)[0])
         if body.echo and params.logprobs is not None:
             raise unsupported_field("echo", "echo with logprobs (prompt logprobs) is not served")
         target = await platform.directory.resolve(caller, body.model)
