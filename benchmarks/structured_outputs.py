@@ -68,7 +68,8 @@ def compile_times(engine) -> tuple[float, float]:
     """(cold, cached) seconds per schema, medians over SCHEMAS; cold on a fresh compiler."""
     from loraplex.engine.structured import Grammars, StructuredOutput
 
-    fresh = Grammars(engine.tokenizer.hf, engine.model_config.vocab_size, [0])
+    config = engine.model_config
+    fresh = Grammars(engine.tokenizer.hf, config.vocab_size, list(config.eos_token_ids))
     cold, cached = [], []
     for schema in SCHEMAS:
         constraint = StructuredOutput.json_schema(schema)

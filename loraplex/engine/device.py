@@ -56,14 +56,19 @@ def decode_attention_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
     return torch.float32 if device == "cpu" else dtype
 
 
-def choose_lora_backend(device: str, override: str | None) -> str:
-    if override is not None:
-        if override not in LORA_BACKENDS:
-            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {override!r}")
+def choose_lora_backend(
+    device: str, override: str | None, dtype: torch.dtype = torch.float32
+) -> str:
+    """The configured backend, else: Triton on CUDA; on CPU the native kernel where it builds
+    and takes `dtype`, else the torch path (also for "native" configured where it cannot be)."""
+    if override is not None and override not in LORA_BACKENDS:
+        raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {override!r}")
+    if override not in (None, "native"):
         return override
-    if device.startswith("cuda"):
+    if override is None and device.startswith("cuda"):
         return "triton"
-    return "native" if cpu_lora.load() is not None else "torch"
+    kernel = cpu_lora.load()
+    return "native" if kernel is not None and kernel.supports(dtype) else "torch"
 
 
 # Row count oneDNN tunes the packed layout for; any row count works.

@@ -39,7 +39,9 @@ class ModelRunner:
             page_size=kv.page_size,
             dtype=config.torch_dtype,
             device=config.device,
-            lora_backend=choose_lora_backend(config.device, config.lora_backend),
+            lora_backend=choose_lora_backend(
+                config.device, config.lora_backend, config.torch_dtype
+            ),
             pool=kv.pool.data,
             workspace=Workspace(config.device),
         )

@@ -26,22 +26,20 @@ class ToolPlan:
     """How the output of a tool-calling request becomes `tool_calls`."""
 
     named: str | None  # the function tool_choice names, or None for "required"
-    functions: tuple[str, ...]
 
-    def calls(self, text: str) -> list[oa.ToolCall] | None:
-        """The tool calls the constrained output holds; None if it is incomplete (max_tokens)."""
+    def outcome(self, text: str, reason: str | None) -> tuple[list[oa.ToolCall] | None, str | None]:
+        """(the tool calls a finished output holds, the choice's finish_reason). No calls for an
+        output cut short (max_tokens, a stop string): its text is the reply, as it is."""
+        if reason != "stop":
+            return None, reason
         try:
             value = json.loads(text)
-        except ValueError:
-            return None
+        except ValueError:  # a stop string ended it mid-way
+            return None, reason
         if self.named is not None:
-            return [_call(self.named, value)]
-        return [_call(item["name"], item["parameters"]) for item in value]
-
-    @property
-    def finish_reason(self) -> str:
-        # as OpenAI: a forced (named) call ends with "stop", a chosen one with "tool_calls"
-        return "stop" if self.named is not None else "tool_calls"
+            # as OpenAI: a forced (named) call ends with "stop", a chosen one with "tool_calls"
+            return [_call(self.named, value)], "stop"
+        return [_call(item["name"], item["parameters"]) for item in value], "tool_calls"
 
 
 def _call(name: str, arguments: Any) -> oa.ToolCall:
@@ -162,13 +160,12 @@ def _tools(request: oa.ChatCompletionRequest) -> tuple[ToolPlan, StructuredOutpu
         schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if request.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        plan = ToolPlan(None, tuple(name for name, _ in functions))
-        return plan, _schema(schema, "tools")
+        return ToolPlan(None), _schema(schema, "tools")
     name = _named(choice)
     parameters = dict(functions).get(name)
     if parameters is None:
         raise invalid_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-    return ToolPlan(name, (name,)), _schema(parameters, "tools")
+    return ToolPlan(name), _schema(parameters, "tools")
 
 
 def _function(index: int, tool: dict) -> tuple[str, dict]:

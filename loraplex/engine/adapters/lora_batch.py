@@ -123,8 +123,6 @@ class TorchLoRA:
     ) -> None:
         self.workspace = workspace
         self.pool = pool.view(-1)
-        if kernel is not None and not kernel.supports(self.pool.dtype):
-            kernel = None
         self.kernel = kernel
         self._windows: dict[int, torch.Tensor] = {}
         self.spans: list[TokenRun] = []

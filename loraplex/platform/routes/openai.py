@@ -149,13 +149,10 @@ async def _chat_reply(
     choices = await collect(call, primed, params.n)
     replies = []
     for i, state in choices.items():
-        message, reason = oa.AssistantMessage(content=state.text), state.finish_reason
-        calls = plan.calls(state.text) if plan is not None and reason == "stop" else None
-        if calls:
-            message, reason = (
-                oa.AssistantMessage(content=None, tool_calls=calls),
-                plan.finish_reason,
-            )
+        calls, reason = None, state.finish_reason
+        if plan is not None:
+            calls, reason = plan.outcome(state.text, reason)
+        message = oa.AssistantMessage(content=None if calls else state.text, tool_calls=calls)
         logprobs = chat_logprobs(engine, state.logprobs) if params.logprobs is not None else None
         replies.append(
             oa.ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=reason)
@@ -232,20 +229,14 @@ async def _chat_stream(
                 reason = finish_reason(out.finish_reason)
                 if plan is not None:
                     held[out.index] = held.get(out.index, "") + out.text
-                    text, calls = held[out.index], None
-                    if reason == "stop":
-                        calls = plan.calls(text)
-                    if calls:
-                        listed = [
-                            oa.ChunkToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)
-                        ]
+                    if reason:  # the whole output at once
+                        calls, reason = plan.outcome(held[out.index], reason)
                         yield chunk(
-                            [oa.ChunkChoice(index=out.index, delta=oa.ChatDelta(tool_calls=listed))]
-                        )
-                        reason = plan.finish_reason
-                    elif reason:  # cut short: the text as it is
-                        yield chunk(
-                            [oa.ChunkChoice(index=out.index, delta=oa.ChatDelta(content=text))]
+                            [
+                                oa.ChunkChoice(
+                                    index=out.index, delta=_tool_delta(held[out.index], calls)
+                                )
+                            ]
                         )
                 elif out.text or out.logprobs:
                     logprobs = chat_logprobs(engine, out.logprobs) if out.logprobs else None
@@ -268,6 +259,14 @@ async def _chat_stream(
         raise
     finally:
         await call.finish(status)
+
+
+def _tool_delta(text: str, calls: list[oa.ToolCall] | None) -> oa.ChatDelta:
+    if calls is None:
+        return oa.ChatDelta(content=text)
+    return oa.ChatDelta(
+        tool_calls=[oa.ChunkToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)]
+    )
 
 
 # -- legacy completions ----------------------------------------------------------------------
