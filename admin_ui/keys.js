@@ -17,7 +17,12 @@ import {
   submitting,
 } from "./ui.js";
 
-const LIMITS = ["requests_per_minute", "tokens_per_minute", "max_concurrent"];
+const LIMITS = [
+  "requests_per_minute",
+  "tokens_per_minute",
+  "max_concurrent",
+  "batch_tokens_per_day",
+];
 
 const form = byId("key-form");
 const formError = byId("key-form-error");
@@ -59,7 +64,10 @@ export function leave() {
 }
 
 function keyBody() {
-  const body = { name: form.elements.name.value.trim() };
+  const body = {
+    name: form.elements.name.value.trim(),
+    service_tier: form.elements.service_tier.value,
+  };
   for (const limit of LIMITS) {
     const value = form.elements[limit].value;
     if (value !== "") body[limit] = Number(value);
@@ -123,6 +131,8 @@ function limits(key) {
     key.requests_per_minute && `${formatNumber(key.requests_per_minute)} requests/min`,
     key.tokens_per_minute && `${formatNumber(key.tokens_per_minute)} tokens/min`,
     key.max_concurrent && `${formatNumber(key.max_concurrent)} at once`,
+    key.batch_tokens_per_day && `${formatNumber(key.batch_tokens_per_day)} batch tokens/day`,
+    key.service_tier === "batch" && "batch tier",
   ].filter(Boolean);
   return parts.length ? parts.join(", ") : "none";
 }

@@ -74,6 +74,14 @@ def _key_commands(groups) -> None:
     create.add_argument("--rpm", type=int, help="requests per minute")
     create.add_argument("--tpm", type=int, help="tokens per minute")
     create.add_argument("--concurrency", type=int, help="concurrent requests")
+    create.add_argument(
+        "--service-tier",
+        choices=("interactive", "batch"),
+        help="the tier its requests run at unless they say otherwise (default interactive)",
+    )
+    create.add_argument(
+        "--batch-tokens-per-day", type=int, help="tokens its batch jobs may use per UTC day"
+    )
     create.set_defaults(func=_create_key)
     listing = keys.add_parser("list", help="list keys (by display prefix)")
     listing.add_argument("--tenant", help="tenant id or name")
@@ -126,6 +134,7 @@ _KEY = (
     "requests_per_minute",
     "tokens_per_minute",
     "max_concurrent",
+    "service_tier",
     "revoked",
 )
 _ADAPTER = ("id", "name", "tenant_id", "rank", "status", "pinned", "content_hash")
@@ -137,6 +146,8 @@ def _create_key(args) -> int:
         requests_per_minute=args.rpm,
         tokens_per_minute=args.tpm,
         max_concurrent=args.concurrency,
+        batch_tokens_per_day=args.batch_tokens_per_day,
+        service_tier=args.service_tier,
     )
     key = _call(args, "POST", f"/tenants/{_tenant_id(args, args.tenant)}/keys", body)
     if args.json:

@@ -20,6 +20,7 @@ from loraplex.engine.errors import (
     OverloadedError,
     RequestFailedError,
 )
+from loraplex.engine.fairness import Fairness, Tier
 from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.outputs import RequestDelta, SequenceDelta
 from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
@@ -38,6 +39,7 @@ __all__ = [
     "EngineShutdownError",
     "EngineStats",
     "ErrorCode",
+    "Fairness",
     "InvalidRequestError",
     "LoRARequest",
     "ModelInfo",
@@ -49,6 +51,7 @@ __all__ = [
     "SamplingParams",
     "SequenceDelta",
     "StructuredOutput",
+    "Tier",
     "TokenLogprob",
     "UnsupportedModelError",
 ]

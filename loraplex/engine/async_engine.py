@@ -52,20 +52,27 @@ from loraplex.engine.errors import (
     RequestFailedError,
     fresh,
 )
+from loraplex.engine.fairness import Fairness
 from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
-from loraplex.engine.outputs import RequestDelta
+from loraplex.engine.outputs import RequestDelta, merge_deltas
 from loraplex.engine.prompts import check_text, prompt_token_ids
 from loraplex.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 QUICK_PROMPT_TOKENS = 2048  # checked on the caller's thread up to this length
+# how long an interactive request on its way in holds back steps of background work only
+HOLD_SECONDS = 0.05
 
 
 @dataclass
 class _Listener:
     loop: asyncio.AbstractEventLoop
     deltas: asyncio.Queue
+    # set by the caller once it has the first delta of a request it does not stream: the engine
+    # thread then adds the deltas up and wakes it once, when the request ends
+    coalesce: bool = False
+    held: RequestDelta | None = None  # the engine thread's sum so far (engine thread only)
 
 
 class AsyncEngine:
@@ -77,6 +84,7 @@ class AsyncEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._listeners: dict[str, _Listener] = {}
         self._lock = threading.Lock()  # guards the counters and flags below
+        self._holds: dict[object, float] = {}  # see `hold_background`: token -> until
         self._num_waiting = 0  # accepted, no output yet
         self._accepting = True
         self._closed = False  # the engine thread has stopped taking work
@@ -94,13 +102,18 @@ class AsyncEngine:
         request_id: str | None = None,
         lora: LoRARequest | None = None,
         tag: object = None,
+        fairness: Fairness | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[RequestDelta]:
-        """Stream the request's deltas until it finishes; `tag` comes back on every delta.
-        Leaving the loop early (client gone) aborts the request."""
+        """Stream the request's deltas until it finishes; `tag` comes back on every delta;
+        `fairness` says whom it is served for (engine/fairness.py). With `stream=False` the
+        first delta comes as soon as it exists and the rest, added up, at the end (one wake-up
+        of the caller's event loop instead of one a token). Leaving the loop early (client
+        gone) aborts the request."""
         self._admit()
         waiting = True
         try:
-            request = await self._make_request(prompt, params, request_id, lora, tag)
+            request = await self._make_request(prompt, params, request_id, lora, tag, fairness)
             if request.request_id in self._listeners:
                 raise InvalidRequestError(
                     f"request id {request.request_id!r} is already in flight", param="request_id"
@@ -121,6 +134,7 @@ class AsyncEngine:
                         finished = True
                         raise delta.error
                     finished = delta.finished
+                    listener.coalesce = not stream
                     yield delta
             finally:
                 self._listeners.pop(request.request_id, None)
@@ -130,18 +144,20 @@ class AsyncEngine:
             if waiting:
                 self._stop_waiting()
 
-    async def _make_request(self, prompt, params, request_id, lora, tag):
+    async def _make_request(self, prompt, params, request_id, lora, tag, fairness):
         """On a worker thread, unless it is quick: token ids (no tokenizing) and an adapter
         already in host memory (no disk read) are checked on the spot, sparing a thread hop."""
         adapter = self._engine.catalog.cached(lora.adapter_id, lora.path) if lora else None
         quick = isinstance(prompt, list) and len(prompt) <= QUICK_PROMPT_TOKENS
         constraint = params.structured_outputs if isinstance(params, SamplingParams) else None
         if constraint is not None:  # a compile may take long: not on the event loop
-            quick = quick and self._engine.grammars.is_cached(constraint)
+            quick = quick and self._engine.is_compiled(constraint)
         if quick and (lora is None or adapter is not None):
-            return self._engine.make_request(prompt, params, request_id, lora, tag, adapter)
+            return self._engine.make_request(
+                prompt, params, request_id, lora, tag, adapter, fairness
+            )
         return await asyncio.to_thread(
-            self._engine.make_request, prompt, params, request_id, lora, tag
+            self._engine.make_request, prompt, params, request_id, lora, tag, None, fairness
         )
 
     def _admit(self) -> None:
@@ -160,6 +176,23 @@ class AsyncEngine:
     def _stop_waiting(self) -> None:
         with self._lock:
             self._num_waiting -= 1
+
+    def hold_background(self) -> Callable[[], None]:
+        """For an interactive request being prepared (parsed, templated, tokenized): steps
+        that would run background work only (the batch tier) wait until the returned release
+        is called (its first token is out) or HOLD_SECONDS have passed, whichever is first.
+        The cap keeps a slow or stuck caller from stopping background work."""
+        token = object()
+        with self._lock:
+            self._holds[token] = time.monotonic() + HOLD_SECONDS
+
+        def release() -> None:
+            with self._lock:
+                held = self._holds.pop(token, None)
+            if held is not None and not self._closed:
+                self._inbox.put(("wake", None))
+
+        return release
 
     def abort(self, request_id: str) -> None:
         self._put("abort", request_id, quiet=True)
@@ -275,8 +308,11 @@ class AsyncEngine:
     def _run(self) -> None:
         error: EngineError = EngineShutdownError("the engine shut down before this finished")
         try:
-            while self._take_inbox(block=not self._engine.has_unfinished()):
-                if self._engine.has_unfinished():
+            while True:
+                hold = self._hold_left()
+                if not self._take_inbox(hold > 0 or not self._engine.has_unfinished(), hold):
+                    break
+                if hold <= 0 and self._engine.has_unfinished():
                     self._step()
                 self._stats = self._engine.stats()
         except Exception as failure:  # a bug outside the step: nothing can be trusted now
@@ -300,10 +336,22 @@ class AsyncEngine:
             if delta.finished:
                 self._admitted.discard(delta.request_id)
 
-    def _take_inbox(self, block: bool) -> bool:
-        """Handle what arrived; False once asked to stop."""
+    def _hold_left(self) -> float:
+        """Seconds background work should still wait for an interactive arrival; 0 if none."""
+        with self._lock:
+            if not self._holds:
+                return 0.0
+            left = max(self._holds.values()) - time.monotonic()
+            if left <= 0:
+                self._holds.clear()  # all past their time (a release never called leaks none)
+                return 0.0
+        return left if self._engine.only_background() else 0.0
+
+    def _take_inbox(self, block: bool, timeout: float = 0.0) -> bool:
+        """Handle what arrived (waiting up to `timeout` if blocking, or for ever with 0); False
+        once asked to stop."""
         try:
-            item = self._inbox.get(block=block)
+            item = self._inbox.get(block=block, timeout=timeout or None)
             while True:
                 if item[0] == "stop":
                     return False
@@ -323,6 +371,8 @@ class AsyncEngine:
         elif kind == "abort":
             self._engine.abort_request(payload)
             self._admitted.discard(payload)
+        elif kind == "wake":
+            pass  # an arrival ended: look again at what may run
         elif kind == "call":
             fn, args, future = payload
             if not future.set_running_or_notify_cancel():
@@ -354,6 +404,12 @@ class AsyncEngine:
         listener = self._listeners.get(request_id)
         if listener is None:
             return
+        if isinstance(item, RequestDelta):
+            if listener.held is not None:
+                item, listener.held = merge_deltas(listener.held, item), None
+            if listener.coalesce and not item.finished and item.error is None:
+                listener.held = item
+                return
         try:
             listener.loop.call_soon_threadsafe(listener.deltas.put_nowait, item)
         except RuntimeError:  # the caller's event loop is gone: nobody is listening

@@ -45,6 +45,10 @@ def _gather(
 def _decode(
     q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
+    if batch.attention_kernel is not None:
+        return batch.attention_kernel.decode(
+            q, kv_cache, batch.decode_block_tables, batch.decode_lens, scale
+        )
     kv = _gather(
         kv_cache, batch.decode_block_tables, batch.workspace
     )  # [B, ctx, 2, kv_heads, head_dim]

@@ -197,6 +197,9 @@ class EngineConfig:
     # AsyncEngine: requests accepted but not yet started beyond this are refused at once with
     # OverloadedError (None: no bound; the offline LLM never bounds)
     max_waiting_requests: int | None = None
+    # who goes first (engine/fairness.py): "fair" shares between fairness keys with tiers,
+    # "fcfs" first come, first served
+    scheduling_policy: str = "fair"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -216,6 +219,10 @@ class EngineConfig:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(
                 f"max_waiting_requests must be >= 1 or None, got {self.max_waiting_requests}"
+            )
+        if self.scheduling_policy not in ("fair", "fcfs"):
+            raise ValueError(
+                f"scheduling_policy must be fair or fcfs, got {self.scheduling_policy!r}"
             )
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")

@@ -24,6 +24,7 @@ from loraplex.engine.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
+from loraplex.engine.fairness import DEFAULT_FAIRNESS, Fairness, Tier, make_policy
 from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.kv_cache import KVCacheManager, kv_page_numel
 from loraplex.engine.model import CausalLM
@@ -36,7 +37,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from loraplex.engine.sequence import Sequence, Status
 from loraplex.engine.stats import StepCounters
-from loraplex.engine.structured import Grammars
+from loraplex.engine.structured import Grammars, StructuredOutput
 from loraplex.engine.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,11 @@ class LLMEngine:
         )
         self.adapters = AdapterManager(self.pool, self.model_config)
         self.scheduler = Scheduler(
-            self.kv, self.adapters, config.max_num_batched_tokens, config.max_num_seqs
+            self.kv,
+            self.adapters,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            make_policy(config.scheduling_policy, config.max_num_seqs),
         )
         self.runner = ModelRunner(self.model, self.kv, Sampler(config.seed), config)
         self.requests: dict[str, Request] = {}
@@ -110,6 +115,7 @@ class LLMEngine:
         lora: LoRARequest | None = None,
         tag: object = None,
         adapter: AdapterRef | None = None,
+        fairness: Fairness | None = None,
     ) -> Request:
         """Tokenize, read the adapter (from the host cache or disk, unless `adapter` is the
         host copy already at hand) and validate. Raises InvalidRequestError (AdapterError for the
@@ -132,6 +138,8 @@ class LLMEngine:
             self._make_sequence(request_id, i, token_ids, params, max_tokens, adapter, grammar)
             for i in range(params.n)
         ]
+        for seq in seqs:
+            seq.fairness = fairness or DEFAULT_FAIRNESS
         return Request(request_id, text, token_ids, seqs, num_pages_needed, tag)
 
     def _check_token_params(self, params: SamplingParams) -> None:
@@ -243,6 +251,12 @@ class LLMEngine:
                 )
             return self._grammars
 
+    def is_compiled(self, constraint: StructuredOutput) -> bool:
+        """Whether `constraint` is compiled already (a request with it is quick to make)."""
+        with self._grammars_lock:
+            grammars = self._grammars
+        return grammars is not None and grammars.is_cached(constraint)
+
     def add_request(self, request: Request) -> None:
         """Queue a request made by `make_request`. Raises InvalidRequestError if its id is in
         flight, or if adapters pinned since it was made leave the pool too small for it."""
@@ -266,6 +280,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def only_background(self) -> bool:
+        """Every unfinished request is below the interactive tier (a batch job's)."""
+        return all(r.seqs[0].fairness.tier > Tier.INTERACTIVE for r in self.requests.values())
 
     # -- the step ---------------------------------------------------------------------------
 

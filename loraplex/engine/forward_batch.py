@@ -5,9 +5,10 @@ The step's tokens are flattened into one unpadded batch, decode tokens first:
     tokens:  d0 d1 d2 | p0 p0 p0 p0 | p1 p1 p1
              decodes    prefill span 0  prefill span 1   (a span is one sequence's chunk)
 
-Decodes (one query token each) run attention together over their gathered pages; each prefill
-span runs causal attention over its sequence's pages. Decodes are ordered base model first, then
-by adapter, so that each adapter's tokens are contiguous for batched LoRA.
+Decodes (one query token each) run attention together: on CPU in the native kernel, which reads
+each sequence's keys and values in place from its pages, elsewhere over their gathered pages with
+a mask; each prefill span runs causal attention over its sequence's pages. Decodes are ordered
+base model first, then by adapter, so that each adapter's tokens are contiguous for batched LoRA.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from loraplex.engine.device import decode_attention_dtype
 from loraplex.engine.scheduler import Scheduled
 from loraplex.engine.sequence import Sequence
 from loraplex.engine.workspace import Workspace
+from loraplex.kernels.cpu_lora import CpuAttentionKernel
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,11 @@ class ForwardBatch:
     slot_offsets: torch.Tensor  # [num_tokens] row inside that page
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_pages]
-    # [num_decodes, 1, 1, max_pages * page_size] additive, in the dtype decode attention computes in
+    # [num_decodes, 1, 1, max_pages * page_size] additive, in the dtype decode attention computes
+    # in; None with the native kernel, which takes each sequence's context length instead
     decode_mask: torch.Tensor | None
+    decode_lens: torch.Tensor | None  # [num_decodes] int64, with the native kernel
+    attention_kernel: CpuAttentionKernel | None
     prefills: list[PrefillSpan]
     # rows whose logits are needed: the sampled ones, then those of `prompt_targets`
     logits_indices: torch.Tensor
@@ -67,6 +72,7 @@ class BatchSettings:
     lora_backend: str
     pool: torch.Tensor  # [num_pages, page_numel]
     workspace: Workspace
+    attention_kernel: CpuAttentionKernel | None = None  # decode attention in place (CPU)
 
 
 def build_forward_batch(
@@ -103,7 +109,8 @@ def build_forward_batch(
                 if len(seq.prompt_logprobs) < target < seq.num_prompt_tokens:
                     prompt_rows.append(row)
                     prompt_targets.append((seq, seq.token_ids[target]))
-    tables, mask = _decode_tables(decodes, page_size, settings.dtype, device)
+    kernel = settings.attention_kernel
+    tables, mask, lens = _decode_tables(decodes, page_size, settings.dtype, device, kernel)
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -112,6 +119,8 @@ def build_forward_batch(
         num_decodes=len(decodes),
         decode_block_tables=tables,
         decode_mask=mask,
+        decode_lens=lens,
+        attention_kernel=kernel,
         prefills=prefills,
         logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=device),
         lora=build_lora_batch(
@@ -140,9 +149,13 @@ def _prefill_span(seq: Sequence, start: int, num_new: int, page_size: int, devic
     )
 
 
-def _decode_tables(decodes: list[Sequence], page_size: int, dtype: torch.dtype, device: str):
+def _decode_tables(
+    decodes: list[Sequence], page_size: int, dtype: torch.dtype, device: str, kernel
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(block tables, additive mask, context lengths): the lengths for the native kernel, else
+    the mask."""
     if not decodes:
-        return None, None
+        return None, None, None
     context_lens = [seq.num_computed_tokens + 1 for seq in decodes]
     max_pages = -(-max(context_lens) // page_size)
     # Pad short tables with the sequence's own last page: those columns are masked out below,
@@ -152,8 +165,10 @@ def _decode_tables(decodes: list[Sequence], page_size: int, dtype: torch.dtype, 
         for seq in decodes
     ]
     tables = torch.tensor(rows, dtype=torch.long, device=device)
-    lens = torch.tensor(context_lens, device=device)
+    lens = torch.tensor(context_lens, dtype=torch.long, device=device)
+    if kernel is not None:
+        return tables, None, lens
     visible = torch.arange(max_pages * page_size, device=device)[None, :] < lens[:, None]
     mask = torch.zeros(visible.shape, dtype=decode_attention_dtype(dtype, device), device=device)
     mask.masked_fill_(~visible, float("-inf"))
-    return tables, mask[:, None, None, :]
+    return tables, mask[:, None, None, :], None

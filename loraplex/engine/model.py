@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.device import Linear
+from loraplex.engine.device import Linear, choose_norm_kernel
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.rope import RotaryEmbedding
@@ -66,6 +66,12 @@ class CausalLM:
         self.lm_head = Linear(weights.lm_head)
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
+        self._norm_kernel = choose_norm_kernel(device, dtype)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._norm_kernel is not None:
+            return self._norm_kernel.rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCacheManager) -> torch.Tensor:
@@ -75,7 +81,7 @@ class CausalLM:
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, batch, kv.layer_cache(index), cos, sin)
         hidden = hidden[batch.logits_indices]
-        return rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return self._norm(hidden, self.final_norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -92,10 +98,9 @@ class CausalLM:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        eps = self.config.rms_norm_eps
-        x = rms_norm(hidden, layer.input_norm, eps)
+        x = self._norm(hidden, layer.input_norm)
         hidden = hidden + self._attention(index, layer, x, batch, kv_cache, cos, sin)
-        x = rms_norm(hidden, layer.post_attention_norm, eps)
+        x = self._norm(hidden, layer.post_attention_norm)
         return hidden + self._mlp(index, layer, x, batch)
 
     def _attention(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loraplex.engine.errors import EngineError
 from loraplex.engine.sequence import Sequence, Status, TokenLogprob
@@ -89,6 +89,32 @@ class RequestOutput:
         self.error = delta.error or self.error
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+
+
+def merge_deltas(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:
+    """One delta saying what two consecutive deltas of a request say."""
+    by_index = {out.index: out for out in earlier.outputs}
+    for out in later.outputs:
+        before = by_index.get(out.index)
+        if before is None:
+            by_index[out.index] = out
+            continue
+        logprobs = None
+        if before.logprobs is not None or out.logprobs is not None:
+            logprobs = [*(before.logprobs or []), *(out.logprobs or [])]
+        by_index[out.index] = SequenceDelta(
+            out.index,
+            before.text + out.text,
+            before.token_ids + out.token_ids,
+            logprobs,
+            out.finish_reason or before.finish_reason,
+        )
+    return replace(
+        later,
+        outputs=list(by_index.values()),
+        first_token_time=earlier.first_token_time or later.first_token_time,
+        prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs,
+    )
 
 
 def take_delta(request: Request, touched: list[Sequence]) -> RequestDelta:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.sequence import Sequence, TokenLogprob
-from loraplex.engine.structured import mask_logits
+from loraplex.engine.structured import Masks
 
 
 class Sampler:
@@ -20,9 +20,11 @@ class Sampler:
         self._shared_generator = torch.Generator().manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence]
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: Masks | None = None
     ) -> list[tuple[int, TokenLogprob | None]]:
-        """logits [num_seqs, vocab] float32, one row per sequence of `seqs`."""
+        """logits [num_seqs, vocab] float32, one row per sequence of `seqs`; `masks` the token
+        masks of those with a structured-output constraint (the runner starts filling them
+        before the forward pass)."""
         raw_logprobs = None
         if any(seq.params.logprobs is not None for seq in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -30,9 +32,10 @@ class Sampler:
             logits = _apply_penalties(logits, seqs)
         if any(seq.params.logit_bias for seq in seqs):
             logits = _apply_logit_bias(logits, seqs)
-        if any(seq.matcher is not None for seq in seqs):
-            mask_logits(logits, [seq.matcher for seq in seqs])
-        token_ids = logits.argmax(dim=-1)
+        if masks is not None:
+            masks.apply(logits, [seq.matcher for seq in seqs])
+        # max's indices are argmax's (the first best on a tie), in a third of the time on CPU
+        token_ids = logits.max(dim=-1).indices
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if random_rows:
             drawn = self._draw(logits[random_rows], [seqs[i] for i in random_rows])

@@ -10,6 +10,7 @@ import torch
 
 from loraplex.engine.adapters.catalog import AdapterRef
 from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.fairness import DEFAULT_FAIRNESS, Fairness
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.structured import Matcher
 
@@ -48,6 +49,8 @@ class Sequence:
     matcher: Matcher | None = None  # where its output stands in its constraint's grammar
     holds_adapter: bool = False  # counted as a user of its resident adapter (while running)
     num_bypassed: int = 0  # steps in which later requests were admitted ahead of this one
+    fairness: Fairness = DEFAULT_FAIRNESS  # whom it is served for, at which tier
+    num_charged_tokens: int = 0  # tokens computed and counted to its fairness key
     arrival_time: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0

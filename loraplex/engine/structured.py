@@ -15,6 +15,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,10 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARACTERS = 100_000
 MAX_CHOICES = 1000
 CACHE_ENTRIES = 512
-_BITS = torch.arange(32, dtype=torch.int32)  # bit j of word w: token 32 * w + j
+# for each byte value, what its 8 bits add to 8 logits: 0 where the bit allows, -inf where not
+_ADDITIVE = torch.where(
+    (torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 1, 0.0, float("-inf")
+).float()
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
@@ -172,23 +176,39 @@ class Matcher:
         return self._matcher.is_terminated()
 
 
-def mask_logits(logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
-    """Logits [rows, vocab] float32 of tokens the grammar disallows set to -inf, in place, in the
-    rows that have a matcher; the other rows are not touched.
+class Masks:
+    """The token bitmasks of one step's constrained sequences, filled on a worker thread while
+    the model runs (xgrammar releases the GIL; a row costs 5-350 us depending on where the
+    grammar stands, up to several ms a step for a batch)."""
 
-    The bitmask is expanded with torch ops rather than xgrammar's CPU apply, whose per-element
-    loop took 3.3 ms for 16 rows of SmolLM2's vocabulary against ~1 ms this way."""
-    import xgrammar
+    _filler = ThreadPoolExecutor(1, thread_name_prefix="loraplex-grammar")
 
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    vocab = logits.shape[1]
-    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)  # int32 [rows, ceil(vocab/32)]
-    for slot, row in enumerate(rows):
-        matchers[row].fill(bitmask, slot)
-    with torch.inference_mode():  # logits come from the forward pass, an inference tensor
-        allowed = ((bitmask.unsqueeze(-1) >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
-        if len(rows) == logits.shape[0]:
-            logits.masked_fill_(~allowed, float("-inf"))
-            return
-        index = torch.tensor(rows)
-        logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
+    def __init__(self, matchers: list[Matcher], vocab_size: int) -> None:
+        self._slots = {id(m): slot for slot, m in enumerate(matchers)}
+        self._bitmask = self._filler.submit(self._fill, matchers, vocab_size)
+
+    @staticmethod
+    def _fill(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)
+        for slot, matcher in enumerate(matchers):
+            matcher.fill(bitmask, slot)
+        return bitmask  # int32 [rows, ceil(vocab / 32)]
+
+    def apply(self, logits: torch.Tensor, matchers: list[Matcher | None]) -> None:
+        """Logits [rows, vocab] float32 of tokens the grammar disallows set to -inf, in place,
+        in the rows that have a matcher (filled here); the other rows are not touched.
+
+        Each byte of the bitmask is looked up in a table of 8 additive values (0 or -inf) and
+        the result added to its row: 0.3 ms for 16 rows of SmolLM2's vocabulary, against 3.3 ms
+        for xgrammar's CPU apply and 3.0 ms for a boolean mask and masked_fill."""
+        bitmask = self._bitmask.result()
+        vocab = logits.shape[1]
+        with torch.inference_mode():  # logits come from the forward pass, an inference tensor
+            # little-endian: byte k of word w holds the bits of tokens 32 w + 8 k .. 32 w + 8 k + 7
+            codes = bitmask.view(torch.uint8).view(-1).int()
+            additive = _ADDITIVE.index_select(0, codes).view(bitmask.shape[0], -1)
+            for row, matcher in enumerate(matchers):
+                if matcher is not None:
+                    logits[row].add_(additive[self._slots[id(matcher)], :vocab])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 
@@ -41,6 +42,8 @@ class TokenizerWrapper:
                 "this model has no chat template; send a plain prompt instead", param="messages"
             )
         _check_messages(messages)
+        if not self.renders_tool_calls:
+            messages = [_calls_as_content(m) for m in messages]
         try:
             return self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
@@ -49,6 +52,20 @@ class TokenizerWrapper:
             raise InvalidRequestError(
                 f"the model's chat template refused the messages: {error}", param="messages"
             ) from None
+
+    @functools.cached_property
+    def renders_tool_calls(self) -> bool:
+        """Whether the chat template shows an assistant message's tool calls (many don't, and
+        drop them silently)."""
+        probe = [
+            {"role": "user", "content": "?"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("loraplex_probe_fn", {})]},
+        ]
+        try:
+            text = self.hf.apply_chat_template(probe, tokenize=False)
+        except (jinja2.TemplateError, TypeError, ValueError):
+            return False
+        return "loraplex_probe_fn" in text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes a token stands for (a byte-level token may be part of a character).
@@ -73,6 +90,24 @@ class TokenizerWrapper:
         return self.encode(text, add_special_tokens=False)
 
 
+def _call(name: str, arguments: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _calls_as_content(message: dict) -> dict:
+    """For a template that does not show tool calls: the calls as the text a model writes when
+    its output is constrained to call tools (a JSON list of {"name", "parameters"})."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    written = json.dumps(
+        [{"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in calls]
+    )
+    text = message.get("content") or ""
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": f"{text}\n{written}" if text else written}
+
+
 def _check_messages(messages: object) -> None:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list", param="messages")
@@ -86,7 +121,28 @@ def _check_messages(messages: object) -> None:
             raise InvalidRequestError(
                 f"messages[{i}] must have a string role and string content", param="messages"
             )
+        _check_tool_calls(message.get("tool_calls"), f"messages[{i}].tool_calls")
         check_text(message["role"] + (message.get("content") or ""), f"messages[{i}]")
+
+
+def _check_tool_calls(calls: object, where: str) -> None:
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{where} must be a list", param="messages")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        ok = (
+            isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), dict)
+        )
+        if not ok:
+            raise InvalidRequestError(
+                f"{where}[{j}] must be a function call with a name and an arguments object",
+                param="messages",
+            )
+        check_text(function["name"], f"{where}[{j}].function.name")
 
 
 def _byte_level_map() -> dict[str, int]:

@@ -1,5 +1,6 @@
-"""The CPU LoRA kernel (cpu_lora.c): built once per machine with its own C compiler, loaded with
-ctypes, called once per (layer, module, group of runs).
+"""The CPU kernels (cpu_kernels.c): built once per machine with its own C compiler, loaded with
+ctypes. The LoRA kernel is called once per (layer, module, group of runs); the decode attention
+kernel (`CpuAttentionKernel`) once per layer.
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -27,9 +28,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_lora.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-MAX_RANK = 1024  # as in cpu_lora.c; a larger rank takes the torch path
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
+MAX_RANK = 1024  # as in cpu_kernels.c; a larger rank takes the torch path
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 _ARGTYPES += [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -74,34 +75,56 @@ def _build(compiler: str, target: Path) -> None:
 
 
 @functools.cache
-def load() -> CpuLoRAKernel | None:
-    """The kernel, built if needed; None where it cannot be built on this machine."""
+def library() -> ctypes.CDLL | None:
+    """The kernels' library, built if needed; None where it cannot be built on this machine."""
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C compiler found: multi-adapter decode uses the slower torch LoRA path")
+        log.warning("no C compiler found: decode uses the slower torch LoRA and attention paths")
         return None
-    target = cache_dir() / f"cpu_lora-{_build_key(compiler)}.so"
+    target = cache_dir() / f"cpu_kernels-{_build_key(compiler)}.so"
     try:
         if not target.exists():
             _build(compiler, target)
-        return CpuLoRAKernel(ctypes.CDLL(str(target)))
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        log.warning("CPU LoRA kernel unavailable, using the torch path: %s", detail.strip()[:500])
+        log.warning("CPU kernels unavailable, using the torch paths: %s", detail.strip()[:500])
         return None
 
 
-class CpuLoRAKernel:
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._functions = {}
-        for dtype, suffix in _DTYPES.items():
-            function = getattr(lib, f"lora_apply_{suffix}")
-            function.argtypes = _ARGTYPES
-            function.restype = ctypes.c_int
-            self._functions[dtype] = function
+def _bind(lib: ctypes.CDLL, name: str, argtypes: list, restype, dtypes=_DTYPES) -> dict:
+    """dtype -> the library's function `name_<dtype suffix>`, typed."""
+    functions = {}
+    for dtype, suffix in dtypes.items():
+        function = getattr(lib, f"{name}_{suffix}")
+        function.argtypes, function.restype = argtypes, restype
+        functions[dtype] = function
+    return functions
+
+
+def _loader(kernel: type):
+    """A cached `load()` of one kernel of the library; None where the library cannot be built."""
+
+    @functools.cache
+    def load():
+        lib = library()
+        return kernel(lib) if lib is not None else None
+
+    return load
+
+
+class _PerDtype:
+    """A kernel with one function per storage dtype."""
+
+    _functions: dict
 
     def supports(self, dtype: torch.dtype) -> bool:
         return dtype in self._functions
+
+
+class CpuLoRAKernel(_PerDtype):
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._functions = _bind(lib, "lora_apply", _ARGTYPES, ctypes.c_int)
 
     def apply(
         self,
@@ -130,3 +153,62 @@ class CpuLoRAKernel:
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")
+
+
+_ATTENTION_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+_ATTENTION_ARGTYPES += [ctypes.c_void_p]
+_ATTENTION_ARGTYPES += [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+
+
+class CpuAttentionKernel(_PerDtype):
+    """Decode attention reading keys and values in place from their pages (cpu_kernels.c)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._functions = _bind(lib, "attend_decode", _ATTENTION_ARGTYPES, ctypes.c_int)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [n, heads, dim] -> [n, heads, dim]: each row attends to the first lens[i] slots of
+        the pages tables[i] (int64 [n, max_pages], contiguous; lens int64 [n], each >= 1) of
+        kv_cache [pages, page_size, 2, kv_heads, dim] (each page contiguous, pages any stride
+        apart: a layer's view of the pool, as KVCacheManager.layer_cache gives it); q and
+        kv_cache of one dtype."""
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        n, heads, dim = q.shape
+        status = self._functions[q.dtype](
+            q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), n, heads, kv_cache.shape[3], dim,
+            kv_cache.shape[1], scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"the CPU attention kernel cannot take this shape (status {status})")
+        return out
+
+
+class CpuNormKernel:
+    """RMSNorm of bfloat16 rows in one call instead of torch's eight elementwise ops, rounding
+    as they do (cpu_kernels.c)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        bf16 = {torch.bfloat16: "bf16"}
+        self._function = _bind(lib, "rms_norm", argtypes, None, bf16)[torch.bfloat16]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [n, dim] bfloat16 (made contiguous), weight [dim] bfloat16 -> [n, dim]."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._function(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+
+load = _loader(CpuLoRAKernel)
+load_attention = _loader(CpuAttentionKernel)
+load_norm = _loader(CpuNormKernel)

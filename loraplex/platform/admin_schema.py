@@ -50,6 +50,8 @@ class KeyCreate(_Body):
     requests_per_minute: Limit = None
     tokens_per_minute: Limit = None
     max_concurrent: Limit = None
+    batch_tokens_per_day: Limit = None
+    service_tier: Literal["interactive", "batch"] = "interactive"
 
 
 class KeyOut(BaseModel):
@@ -61,6 +63,8 @@ class KeyOut(BaseModel):
     requests_per_minute: int | None
     tokens_per_minute: int | None
     max_concurrent: int | None
+    batch_tokens_per_day: int | None
+    service_tier: str
     created_at: int
     revoked: bool
     key: str | None = None  # the secret: only in the reply that created it
@@ -75,6 +79,8 @@ class KeyOut(BaseModel):
             requests_per_minute=key.requests_per_minute,
             tokens_per_minute=key.tokens_per_minute,
             max_concurrent=key.max_concurrent,
+            batch_tokens_per_day=key.batch_tokens_per_day,
+            service_tier=key.service_tier,
             created_at=int(key.created_at),
             revoked=key.revoked_at is not None,
             key=secret,

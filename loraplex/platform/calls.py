@@ -11,13 +11,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import Request
 
-from loraplex.engine.api import RequestDelta
+from loraplex.engine.api import Fairness, RequestDelta, Tier
 from loraplex.platform.errors import ClientDisconnected
 from loraplex.platform.limits import Grant
 from loraplex.platform.metrics import UNRESOLVED
+from loraplex.platform.sampling import service_tier
 from loraplex.platform.state import Platform
 from loraplex.platform.tenancy import Caller
 from loraplex.platform.usage import UsageRow
+
+
+def _nothing() -> None:
+    pass
 
 
 class Call:
@@ -34,12 +39,36 @@ class Call:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.grant: Grant | None = None
-        self.status: int | None = None
         state = request.scope.setdefault("state", {})
+        origin = state.get("batch")  # set only for a batch job's request, made in-process
+        self.batch_id: str | None = origin.batch_id if origin is not None else None
+        self.tier = Tier.BATCH if origin is not None else Tier.INTERACTIVE
+        self.status: int | None = None
         state["call"] = self  # for the request's log line and metrics (see middleware)
         self._started = state.get("arrived") or time.perf_counter()
         self._last_output: float | None = None
         self._finished = False
+        # background work waits while it is prepared (see AsyncEngine.hold_background)
+        self._release = (
+            platform.engine.hold_background() if self.tier == Tier.INTERACTIVE else _nothing
+        )
+
+    def started(self) -> None:
+        """Its first output is out (or it ended): background work need not wait for it."""
+        self._release()
+
+    def choose_tier(self, body) -> None:
+        """The tier the request asks for (service_tier) or its key's default; a batch job's
+        request stays at the batch tier."""
+        if self.batch_id is None:
+            self.tier = service_tier(body, self.caller.service_tier)
+            if self.tier != Tier.INTERACTIVE:
+                self.started()
+
+    @property
+    def fairness(self) -> Fairness:
+        """Whom the engine serves it for: the tenant, at its weight, at the call's tier."""
+        return Fairness(self.caller.tenant_id, self.caller.weight, self.tier)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -84,6 +113,7 @@ class Call:
         if self._finished:
             return
         self._finished = True
+        self.started()
         self.status = status
         seconds = time.perf_counter() - self._started
         if self.grant is not None:
@@ -109,8 +139,18 @@ class Call:
                 latency_ms=seconds * 1000,
                 status=status,
                 created_at=time.time(),
+                batch_id=self.batch_id,
             )
         )
+
+
+async def authenticate(request: Request, platform: Platform) -> Caller:
+    """The caller: the key of the Authorization header, or for a batch job's request (made
+    in-process, see batches.py) the job's key."""
+    origin = request.scope.get("state", {}).get("batch")
+    if origin is not None:
+        return origin.caller
+    return await platform.directory.authenticate(request.headers.get("authorization"))
 
 
 @asynccontextmanager

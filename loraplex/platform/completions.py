@@ -43,10 +43,20 @@ async def start(
     prompts: list[list[int]],
     params: SamplingParams,
     lora: LoRARequest | None,
+    stream: bool = True,
 ) -> list[Primed]:
-    """Submit every prompt and wait for each one's first delta; raises APIError."""
+    """Submit every prompt and wait for each one's first delta; raises APIError. Unless
+    `stream`, the rest of each request's output comes in one piece at its end."""
     streams = [
-        engine.generate(ids, params, f"{call.id}-{i}", lora, tag=call.caller.tenant_id)
+        engine.generate(
+            ids,
+            params,
+            f"{call.id}-{i}",
+            lora,
+            tag=call.caller.tenant_id,
+            fairness=call.fairness,
+            stream=stream,
+        )
         for i, ids in enumerate(prompts)
     ]
     call.prompt_tokens = sum(len(ids) for ids in prompts)  # once per prompt, whatever n
@@ -60,6 +70,8 @@ async def start(
         if isinstance(error, EngineError):
             raise from_engine(error) from None
         raise
+    finally:
+        call.started()
     return [Primed(i, first, s) for i, (first, s) in enumerate(zip(firsts, streams, strict=True))]
 
 

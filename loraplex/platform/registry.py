@@ -89,10 +89,15 @@ class KeyLimits:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
+    batch_tokens_per_day: int | None = None  # for its batch jobs, per UTC day
 
 
 def create_key(
-    session: Session, tenant_id: str, name: str, limits: KeyLimits = KeyLimits()
+    session: Session,
+    tenant_id: str,
+    name: str,
+    limits: KeyLimits = KeyLimits(),
+    service_tier: str = "interactive",
 ) -> tuple[ApiKey, str]:
     """-> (the key's row, its secret). The secret exists only in this return value."""
     get_tenant(session, tenant_id)
@@ -105,6 +110,8 @@ def create_key(
         requests_per_minute=limits.requests_per_minute,
         tokens_per_minute=limits.tokens_per_minute,
         max_concurrent=limits.max_concurrent,
+        batch_tokens_per_day=limits.batch_tokens_per_day,
+        service_tier=service_tier,
     )
     session.add(key)
     session.flush()
@@ -134,10 +141,12 @@ def revoke_key(session: Session, key_id: str) -> ApiKey:
     return key
 
 
-def key_with_tenant(session: Session, key_hash: str) -> tuple[ApiKey, Tenant] | None:
-    row = session.execute(
-        select(ApiKey, Tenant).join(Tenant).where(ApiKey.key_hash == key_hash)
-    ).first()
+def key_with_tenant(
+    session: Session, key_hash: str | None = None, key_id: str | None = None
+) -> tuple[ApiKey, Tenant] | None:
+    """The key with this hash (or id) and its tenant."""
+    which = ApiKey.key_hash == key_hash if key_id is None else ApiKey.id == key_id
+    row = session.execute(select(ApiKey, Tenant).join(Tenant).where(which)).first()
     return (row[0], row[1]) if row else None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.engine.api import InvalidRequestError, SamplingParams, StructuredOutput
+from loraplex.engine.api import InvalidRequestError, SamplingParams, StructuredOutput, Tier
 from loraplex.platform.errors import invalid_request, unsupported_field
 from loraplex.platform.openai_schema import ChatCompletionRequest, CompletionRequest
 
@@ -35,7 +35,16 @@ _CHAT_UNSUPPORTED_UNLESS = {
 }
 _UNSUPPORTED = _UNSUPPORTED_UNLESS
 _CHAT_UNSUPPORTED = _UNSUPPORTED_UNLESS | _CHAT_UNSUPPORTED_UNLESS
-_SERVICE_TIERS = (None, "auto", "default")
+# service_tier -> the engine's tier: OpenAI's names ("flex": slower, when capacity allows) and
+# loraplex's; None and "auto" take the key's default
+_SERVICE_TIERS = {
+    "default": Tier.INTERACTIVE,
+    "interactive": Tier.INTERACTIVE,
+    "flex": Tier.BATCH,
+    "batch": Tier.BATCH,
+}
+_KEY_TIERS = {"interactive": Tier.INTERACTIVE, "batch": Tier.BATCH}
+TIER_NAMES = {Tier.INTERACTIVE: "default", Tier.BATCH: "flex"}  # as replies name them
 
 
 def refuse_unsupported(request: ChatCompletionRequest | CompletionRequest) -> None:
@@ -43,12 +52,21 @@ def refuse_unsupported(request: ChatCompletionRequest | CompletionRequest) -> No
     for field in request.model_fields_set & fields.keys():  # only what the client sent
         if getattr(request, field) not in fields[field]:
             raise unsupported_field(field)
-    if request.service_tier not in _SERVICE_TIERS:
-        raise unsupported_field("service_tier", "only 'auto' and 'default' are served")
+    if request.service_tier not in (None, "auto", *_SERVICE_TIERS):
+        raise unsupported_field(
+            "service_tier", f"the tiers served are auto, {', '.join(_SERVICE_TIERS)}"
+        )
     if isinstance(request, ChatCompletionRequest):
         _refuse_chat_only(request)
     elif request.best_of not in (None, request.n or 1):
         raise unsupported_field("best_of", "best_of must equal n")
+
+
+def service_tier(request: ChatCompletionRequest | CompletionRequest, key_tier: str) -> Tier:
+    """The tier a request runs at: its own service_tier, else its key's default."""
+    if request.service_tier in (None, "auto"):
+        return _KEY_TIERS.get(key_tier, Tier.INTERACTIVE)
+    return _SERVICE_TIERS[request.service_tier]
 
 
 def _refuse_chat_only(request: ChatCompletionRequest) -> None:

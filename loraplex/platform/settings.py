@@ -48,6 +48,7 @@ class EngineSettings(BaseModel):
     adapter_host_cache: int | str = "1GiB"
     lora_backend: str | None = None
     enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fair", "fcfs"] = "fair"  # fair shares between tenants, tiers
 
 
 class Settings(BaseSettings):
@@ -67,6 +68,10 @@ class Settings(BaseSettings):
     dev_mode: bool = False  # allows a weak admin token
     max_waiting_requests: int = Field(256, ge=1)  # beyond: 503 at once
     usage_flush_seconds: float = Field(0.5, gt=0)
+    # Batch API: requests of each job in flight at once (the engine serves interactive ones
+    # first), and how often jobs are looked for (a job made through another process)
+    batch_concurrency: int = Field(4, ge=1, le=1024)
+    batch_poll_seconds: float = Field(1.0, gt=0)
     # how often each process checks the registry for changes made elsewhere (revoked keys,
     # disabled tenants, deleted adapters apply everywhere within this; at most 0.5 s)
     registry_poll_seconds: float = Field(0.25, gt=0, le=0.5)

@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from loraplex.engine.api import AsyncEngine, LoRARequest
 from loraplex.platform import registry
@@ -46,6 +47,7 @@ class Platform:
     directory: Directory | None = None
     limiter: Limiter | None = None
     usage: UsageWriter | None = None
+    batches: Any = None  # the Batch API's runner (batches.BatchRunner), made with the app
     fingerprint: str = ""
     started_at: float = field(default_factory=time.time)
     draining: bool = False

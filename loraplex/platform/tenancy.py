@@ -40,6 +40,7 @@ class Caller:
     tenant_name: str
     weight: float
     limits: registry.KeyLimits
+    service_tier: str = "interactive"  # the key's default tier
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,16 @@ def _bearer(authorization: str | None) -> str | None:
 
 
 def _caller(session, key_hash: str) -> Caller | str | None:
-    found = registry.key_with_tenant(session, key_hash)
+    return caller_of(registry.key_with_tenant(session, key_hash))
+
+
+def caller_by_key_id(session, key_id: str) -> Caller | str | None:
+    """The caller a key stands for now: None if it is gone or revoked, "disabled" if its tenant
+    is (for work done on its behalf later, such as a batch job)."""
+    return caller_of(registry.key_with_tenant(session, key_id=key_id))
+
+
+def caller_of(found) -> Caller | str | None:
     if found is None or found[0].revoked_at is not None:
         return None
     key, tenant = found
@@ -157,8 +167,12 @@ def _caller(session, key_hash: str) -> Caller | str | None:
         tenant_name=tenant.name,
         weight=tenant.weight,
         limits=registry.KeyLimits(
-            key.requests_per_minute, key.tokens_per_minute, key.max_concurrent
+            key.requests_per_minute,
+            key.tokens_per_minute,
+            key.max_concurrent,
+            key.batch_tokens_per_day,
         ),
+        service_tier=key.service_tier,
     )
 
 

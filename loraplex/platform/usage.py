@@ -30,6 +30,7 @@ class UsageRow:
     latency_ms: float
     status: int
     created_at: float
+    batch_id: str | None = None  # the batch job whose request it was
 
 
 class UsageWriter:

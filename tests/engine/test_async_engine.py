@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
 
-from loraplex.engine.api import AdapterError, AsyncEngine, EngineConfig, LoRARequest, SamplingParams
+from loraplex.engine.api import (
+    AdapterError,
+    AsyncEngine,
+    EngineConfig,
+    Fairness,
+    LoRARequest,
+    SamplingParams,
+    Tier,
+)
 from tests.factories import make_llm
 
 PROMPTS = ["the river", "a cat sleeps", "old city light", "the king tells of a story"]
@@ -45,6 +54,27 @@ def test_concurrent_streams_match_the_offline_engine(engine, tiny_llama):
         assert text == result.outputs[0].text
         assert deltas == 20  # one delta per generated token
         assert last.finished and last.outputs[0].finish_reason == "length"
+
+
+def test_a_request_not_streamed_comes_in_two_deltas_that_add_up_to_the_stream(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2, n=2)
+
+    async def main():
+        streamed, whole = [], []
+        async for delta in engine.generate("the river", params):
+            streamed.append(delta)
+        async for delta in engine.generate("the river", params, stream=False):
+            whole.append(delta)
+        return streamed, whole
+
+    streamed, whole = asyncio.run(main())
+    assert len(streamed) >= 30 and len(whole) == 2  # the first token, then the rest at the end
+    assert whole[-1].finished and whole[0].first_token_time == whole[-1].first_token_time
+    for index in (0, 1):
+        for field in ("token_ids", "logprobs", "text"):
+            got = [getattr(o, field) for d in whole for o in d.outputs if o.index == index]
+            want = [getattr(o, field) for d in streamed for o in d.outputs if o.index == index]
+            assert list(itertools.chain(*got)) == list(itertools.chain(*want))
 
 
 def test_leaving_the_stream_aborts_the_request_and_frees_its_pages(engine):
@@ -113,3 +143,49 @@ def test_adapters_through_the_async_api(engine, tiny_adapters, tiny_llama):
     offline = make_llm(tiny_llama).generate(["the river"], params, adapters=[lora])
     assert tokens == offline[0].outputs[0].token_ids
     assert after.resident == () and after.free_pages + after.cached_pages == after.num_pages
+
+
+def test_an_interactive_arrival_holds_background_work_for_a_moment_only(engine):
+    """While an interactive request is prepared, batch-tier steps wait; released, or past the
+    hold's cap (a caller that never gets there), they go on."""
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    background = Fairness("bulk", 1.0, Tier.BATCH)
+
+    async def main():
+        produced = [0]
+
+        async def drain():  # one background request after another
+            while True:
+                async for delta in engine.generate("the river", params, fairness=background):
+                    produced[0] += len(delta.outputs[0].token_ids)
+
+        async def progress_after(seconds: float) -> int:
+            before = produced[0]
+            await asyncio.sleep(seconds)
+            return produced[0] - before
+
+        task = asyncio.create_task(drain())
+        while produced[0] < 5:
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.005)
+        try:
+            release = engine.hold_background()
+            await asyncio.sleep(0.005)  # a step already running ends
+            held = await progress_after(0.03)
+            # an interactive request is not held back
+            interactive = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            _, tokens, _, _ = await collect(engine, "a cat sleeps", interactive)
+            release()
+            released = await progress_after(0.3)
+            engine.hold_background()  # never released: the cap lets background work go on
+            await asyncio.sleep(0.1)
+            past_the_cap = await progress_after(0.3)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return held, len(tokens), released, past_the_cap
+
+    held, interactive_tokens, released, past_the_cap = asyncio.run(main())
+    assert held == 0
+    assert interactive_tokens == 4
+    assert released > 0 and past_the_cap > 0

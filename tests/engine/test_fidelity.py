@@ -44,6 +44,15 @@ def test_tiny_models_match_transformers(tiny_model_dirs, family, report):
     run_and_compare(model_dir, prompts, 24, None, report, f"tiny {family}")
 
 
+def test_torch_decode_attention_matches_transformers_too(tiny_llama, report, monkeypatch):
+    """Where the native kernels cannot be built, decode attention gathers pages for torch's."""
+    monkeypatch.setenv("LORAPLEX_TORCH_ATTENTION", "1")
+    llm = make_llm(tiny_llama)
+    assert llm.engine.runner.settings.attention_kernel is None
+    prompts = mixed_prompts(llm.tokenizer, 16, seed=3)
+    run_and_compare(tiny_llama, prompts, 24, None, report, "tiny llama, torch decode attention")
+
+
 def test_tiny_model_matches_transformers_under_preemption(tiny_llama, report):
     llm = make_llm(tiny_llama)
     prompts = mixed_prompts(llm.tokenizer, 16, seed=2)

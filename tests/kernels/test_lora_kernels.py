@@ -14,8 +14,10 @@ import subprocess
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from loraplex.engine.device import choose_lora_backend
+from loraplex.engine.device import choose_attention_kernel, choose_lora_backend
+from loraplex.engine.model import rms_norm
 from loraplex.kernels import cpu_lora
 from loraplex.kernels.lora import (
     Segments,
@@ -136,7 +138,7 @@ def test_expand_into_a_column_slice_of_a_wider_output():
     assert torch.equal(fused[:, :30], ref[:, :30]) and torch.equal(fused[:, 70:], ref[:, 70:])
 
 
-# -- the CPU kernel (cpu_lora.c) ------------------------------------------------------------
+# -- the CPU kernel (cpu_kernels.c) ------------------------------------------------------------
 
 
 def native_kernel():
@@ -227,11 +229,82 @@ def test_without_a_working_compiler_the_cpu_falls_back_to_the_torch_path(
     monkeypatch.setenv("CC", compiler)
     monkeypatch.setenv("PATH", "/nonexistent" if compiler.startswith("/") else "/usr/bin:/bin")
     monkeypatch.setenv("LORAPLEX_KERNEL_CACHE", str(tmp_path))
-    cpu_lora.load.cache_clear()
+    caches = (cpu_lora.library, cpu_lora.load, cpu_lora.load_attention)
+    for cached in caches:
+        cached.cache_clear()
     try:
-        assert cpu_lora.load() is None
+        assert cpu_lora.load() is None and cpu_lora.load_attention() is None
         assert choose_lora_backend("cpu", None) == "torch"
+        assert choose_attention_kernel("cpu", torch.float32) is None  # torch's attention
     finally:
         monkeypatch.undo()
-        cpu_lora.load.cache_clear()
+        for cached in caches:
+            cached.cache_clear()
     assert choose_lora_backend("cpu", None) == "native"  # back with the real compiler
+    assert choose_attention_kernel("cpu", torch.bfloat16) is not None
+
+
+# -- decode attention in place (cpu_kernels.c) -------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["native", "without AVX-512"])
+def attention_build(request, tmp_path_factory):
+    """The attention kernel as this machine builds it, and built for AVX2 only (x86-64)."""
+    if request.param == "native":
+        kernel = cpu_lora.load_attention()
+        if kernel is None:
+            pytest.fail("the CPU kernels did not build: a C compiler is part of the setup")
+        return kernel
+    if platform.machine() != "x86_64":
+        pytest.skip("the AVX2-only build is an x86-64 target")
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_lora.FLAGS]
+    target = tmp_path_factory.mktemp("attention") / "cpu_kernels_avx2.so"
+    subprocess.run(
+        [cpu_lora._compiler(), *flags, str(cpu_lora.SOURCE), "-o", str(target)], check=True
+    )
+    return cpu_lora.CpuAttentionKernel(ctypes.CDLL(str(target)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 80)])
+def test_decode_attention_in_place_matches_torch(attention_build, dtype, heads, kv_heads, dim):
+    """Contexts of 1 token, a page and a token either side of a page, long ones; pages scattered
+    through the pool; grouped-query heads; against torch's attention on the gathered keys."""
+    generator = torch.Generator().manual_seed(heads * dim)
+    num_pages, page_size, layers = 64, 16, 3
+    # layer 1 of a pool holding 3 layers a page, as the engine's KV cache views it
+    pool = torch.randn(num_pages, layers, page_size, 2, kv_heads, dim, generator=generator)
+    kv = pool.to(dtype)[:, 1]
+    lens = torch.tensor([1, 15, 16, 17, 100, 37, 250])
+    max_pages = -(-int(lens.max()) // page_size)
+    order = torch.randperm(num_pages, generator=generator)
+    tables = torch.stack([order[i : i + max_pages] for i in range(len(lens))]).contiguous()
+    q = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    scale = dim**-0.5
+
+    out = attention_build.decode(q, kv, tables, lens, scale)
+
+    flat = kv.contiguous().view(-1, 2, kv_heads, dim)
+    for i, length in enumerate(lens.tolist()):
+        slots = (tables[i, :, None] * page_size + torch.arange(page_size)).flatten()[:length]
+        keys, values = (
+            flat[slots, 0].float().transpose(0, 1),
+            flat[slots, 1].float().transpose(0, 1),
+        )
+        ref = F.scaled_dot_product_attention(
+            q[i].float().unsqueeze(1), keys, values, scale=scale, enable_gqa=True
+        ).squeeze(1)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out[i], ref, atol=2e-6, rtol=1e-5)
+        else:  # float32 inside, one bfloat16 rounding of the result
+            torch.testing.assert_close(out[i].float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dim", [576, 64, 1000])
+def test_native_rms_norm_is_bit_identical_to_torch_in_bfloat16(dim):
+    """The engine uses it in bfloat16 only, where it must round exactly as the torch ops do."""
+    kernel = cpu_lora.load_norm()
+    generator = torch.Generator().manual_seed(dim)
+    x = (torch.randn(33, dim, generator=generator) * 3).to(torch.bfloat16)
+    weight = torch.randn(dim, generator=generator).to(torch.bfloat16)
+    assert torch.equal(kernel.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))

@@ -202,7 +202,7 @@ def test_sampling_fields_are_honoured(server, tenants, offline):
         # tools with no tool_choice mean "auto", which needs a tool-call parser loraplex lacks
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"service_tier": "flex"}, "service_tier"),
+        ({"service_tier": "scale"}, "service_tier"),
         ({"extra_body": {"repetition_penalty": 1.2}}, "repetition_penalty"),
         ({"extra_body": {"min_p": 0.1}}, "min_p"),
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),

@@ -229,6 +229,53 @@ def test_tool_choice_required_calls_one_of_the_tools_with_valid_arguments(client
 
 
 @pytest.mark.smollm2
+def test_a_tool_result_goes_back_into_the_conversation(client):
+    question = chat("What is the weather in Lisbon?")
+    first = client.chat.completions.create(
+        model="ahoy",
+        messages=question,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=64,
+        temperature=0,
+    )
+    call = first.choices[0].message.tool_calls[0]
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "deg": 21}'}
+    turn = first.choices[0].message.model_dump(exclude_none=True)
+    answer = client.chat.completions.create(
+        model="ahoy", messages=[*question, turn, result], max_tokens=24, temperature=0
+    )
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
+
+    # the call itself is part of the prompt the model reads (SmolLM2's template does not show
+    # tool calls: they are written out as the JSON a constrained call produces)
+    silent = {"role": "assistant", "content": ""}
+    without_call = client.chat.completions.create(
+        model="ahoy", messages=[*question, silent, result], max_tokens=1, temperature=0
+    )
+    extra = answer.usage.prompt_tokens - without_call.usage.prompt_tokens
+    assert extra >= len(call.function.arguments) // 8
+
+    broken = {
+        **turn,
+        "tool_calls": [
+            {**turn["tool_calls"][0], "function": {"name": "get_weather", "arguments": "{not json"}}
+        ],
+    }
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="ahoy", messages=[*question, broken, result])
+    assert caught.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="ahoy", messages=[*question, turn, {"role": "tool", "content": "21"}]
+        )
+    assert caught.value.body["param"] == "messages[2].tool_call_id"
+
+
+@pytest.mark.smollm2
 def test_regex_and_choice_constraints_hold(client):
     pattern = r"[A-Z]{3}-[0-9]{4}"
     regex = client.chat.completions.create(

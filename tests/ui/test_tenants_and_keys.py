@@ -39,6 +39,8 @@ def test_a_key_is_shown_once_and_then_listed_by_prefix(page, server):
     form.get_by_label("Key name").fill("ci")
     form.get_by_label("Requests per minute").fill("120")
     form.get_by_label("Concurrent requests").fill("4")
+    form.get_by_label("Tier").select_option("batch")
+    form.get_by_label("Batch tokens per day").fill("50000")
     form.get_by_role("button", name="Create key").click()
 
     secret_box = page.get_by_label("The new API key")
@@ -53,7 +55,7 @@ def test_a_key_is_shown_once_and_then_listed_by_prefix(page, server):
     prefix = secret[:12]
     row = page.locator("#key-rows tr", has_text=prefix)
     expect(row).to_contain_text("hooli")
-    expect(row).to_contain_text("120 requests/min, 4 at once")
+    expect(row).to_contain_text("120 requests/min, 4 at once, 50,000 batch tokens/day, batch tier")
 
     open_view(page, "tenants")  # leaving the view drops the secret
     open_view(page, "keys")

@@ -1,4 +1,5 @@
-"""The SQL registry: tenants, their API keys and adapters, per-request usage, and an audit log.
+"""The SQL registry: tenants, their API keys and adapters, per-request usage, an audit log, and
+the Batch API's files and jobs.
 
 Times are Unix seconds (floats): the same in SQLite and PostgreSQL, and what OpenAI-shaped
 objects show. Ids are prefixed random strings ("tnt_…", "key_…", "adp_…"). Usage rows keep ids
@@ -66,6 +67,10 @@ class ApiKey(Base):
     requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # the tier its requests run at unless they say otherwise: "interactive" or "batch"
+    service_tier: Mapped[str] = mapped_column(String(16), default="interactive")
+    # tokens its batch jobs may use per UTC day (None: no bound)
+    batch_tokens_per_day: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[float] = mapped_column(Float, default=time.time)
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
@@ -116,6 +121,65 @@ class Usage(Base):
     latency_ms: Mapped[float] = mapped_column(Float, default=0.0)
     status: Mapped[int] = mapped_column(Integer)  # the HTTP status of the response
     created_at: Mapped[float] = mapped_column(Float, default=time.time, index=True)
+    batch_id: Mapped[str | None] = mapped_column(String(32), nullable=True)  # a batch job's line
+
+
+class StoredFile(Base):
+    """A file of the Files API: a batch job's input, output or errors, kept under the data dir."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("file"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    purpose: Mapped[str] = mapped_column(String(32))  # batch, batch_output
+    filename: Mapped[str] = mapped_column(String(256))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    storage_path: Mapped[str] = mapped_column(String(1024))
+    created_at: Mapped[float] = mapped_column(Float, default=time.time)
+
+
+class BatchJob(Base):
+    """A job of the Batch API: the requests of an input file, run at the batch tier."""
+
+    __tablename__ = "batches"
+    # the statuses whose time of reaching is kept, as <status>_at
+    STAMPED = (
+        "in_progress",
+        "finalizing",
+        "completed",
+        "failed",
+        "expired",
+        "cancelling",
+        "cancelled",
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("batch"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    key_id: Mapped[str] = mapped_column(String(32))  # whose limits and usage its requests count to
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(32))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    # validating, in_progress, finalizing, completed, failed, expired, cancelling, cancelled
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    output_file_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    errors: Mapped[list | None] = mapped_column(JSON, nullable=True)
+    metadata_: Mapped[dict | None] = mapped_column("metadata", JSON, nullable=True)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float, default=time.time)
+    expires_at: Mapped[float] = mapped_column(Float)
+    in_progress_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finalizing_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    completed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    failed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    expired_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cancelling_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cancelled_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # the server process running it, and when it last said so (another takes over past a lease)
+    runner: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    heartbeat_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class AuditEntry(Base):

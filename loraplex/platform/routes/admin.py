@@ -79,10 +79,14 @@ async def update_tenant(tenant_id: str, body: TenantUpdate, platform: PlatformDe
 @router.post("/tenants/{tenant_id}/keys", status_code=201, response_model=KeyOut)
 async def create_key(tenant_id: str, body: KeyCreate, platform: PlatformDep) -> KeyOut:
     limits = registry.KeyLimits(
-        body.requests_per_minute, body.tokens_per_minute, body.max_concurrent
+        body.requests_per_minute,
+        body.tokens_per_minute,
+        body.max_concurrent,
+        body.batch_tokens_per_day,
     )
     key, secret = await _run(
-        platform, lambda s: registry.create_key(s, tenant_id, body.name, limits)
+        platform,
+        lambda s: registry.create_key(s, tenant_id, body.name, limits, body.service_tier),
     )
     return KeyOut.of(key, secret)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -15,7 +16,12 @@ from pydantic import BaseModel, ValidationError
 from loraplex.engine.api import AsyncEngine, InvalidRequestError
 from loraplex.platform import openai_schema as oa
 from loraplex.platform import registry
-from loraplex.platform.calls import Call, ClientDisconnected, cancelled_on_disconnect
+from loraplex.platform.calls import (
+    Call,
+    ClientDisconnected,
+    authenticate,
+    cancelled_on_disconnect,
+)
 from loraplex.platform.completions import (
     DONE,
     chat_logprobs,
@@ -37,7 +43,7 @@ from loraplex.platform.errors import (
     unsupported_field,
     validation_error,
 )
-from loraplex.platform.sampling import refuse_unsupported, sampling_params
+from loraplex.platform.sampling import TIER_NAMES, refuse_unsupported, sampling_params
 from loraplex.platform.state import Platform
 from loraplex.platform.structured import ToolPlan, constraint
 
@@ -116,11 +122,12 @@ async def chat_completions(request: Request):
     """Parsed by hand rather than through FastAPI's dependencies: the hot path, kept short."""
     platform: Platform = request.app.state.platform
     engine = platform.require_engine()
-    caller = await platform.directory.authenticate(request.headers.get("authorization"))
+    caller = await authenticate(request, platform)
     body = await parse_body(request, oa.ChatCompletionRequest)
     call = Call(platform, caller, body.model, "chatcmpl", request)
     async with ending_on_error(call):
         refuse_unsupported(body)
+        call.choose_tier(body)
         structured, plan = constraint(body)
         params = sampling_params(body, structured)
         target = await platform.directory.resolve(caller, body.model)
@@ -145,7 +152,7 @@ async def chat_completions(request: Request):
 async def _chat_reply(
     engine, call, prompt, params, lora, fingerprint, plan: ToolPlan | None
 ) -> oa.ChatCompletion:
-    primed = await start(engine, call, [prompt], params, lora)
+    primed = await start(engine, call, [prompt], params, lora, stream=False)
     choices = await collect(call, primed, params.n)
     replies = []
     for i, state in choices.items():
@@ -162,6 +169,7 @@ async def _chat_reply(
         created=call.created,
         model=call.model,
         system_fingerprint=fingerprint,
+        service_tier=TIER_NAMES[call.tier],
         choices=replies,
         usage=usage(call),
     )
@@ -181,11 +189,10 @@ async def _encode_chat(
 
 def _template_message(index: int, message: oa.ChatMessage) -> dict:
     where = f"messages[{index}]"
-    for field in ("tool_calls", "tool_call_id", "function_call", "audio"):
+    for field in ("function_call", "audio"):
         if getattr(message, field):
-            raise unsupported_field(f"{where}.{field}", "tool calls and audio are not served yet")
-    if message.role == "tool":
-        raise unsupported_field(f"{where}.role", "tool messages are not served yet")
+            reason = "legacy function calls and audio are not served"
+            raise unsupported_field(f"{where}.{field}", reason)
     content = message.content
     if isinstance(content, list):
         for j, part in enumerate(content):
@@ -194,7 +201,38 @@ def _template_message(index: int, message: oa.ChatMessage) -> dict:
         content = "".join(part.text for part in content)
     # templates know system, user and assistant; OpenAI's developer role is the system's
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    rendered: dict = {"role": role, "content": content or ""}
+    if message.tool_calls:
+        if role != "assistant":
+            raise invalid_request("only assistant messages carry tool_calls", f"{where}.tool_calls")
+        rendered["tool_calls"] = [
+            _template_call(f"{where}.tool_calls[{j}]", call)
+            for j, call in enumerate(message.tool_calls)
+        ]
+    if role == "tool":
+        if not message.tool_call_id:
+            raise invalid_request("a tool message needs tool_call_id", f"{where}.tool_call_id")
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _template_call(where: str, call: dict) -> dict:
+    """A tool call as chat templates take it: the arguments an object, not JSON text."""
+    function = call.get("function")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise invalid_request("a tool call must be of type function", where)
+    name, arguments = function.get("name"), function.get("arguments")
+    if not isinstance(name, str) or not name:
+        raise invalid_request("a tool call needs the function's name", f"{where}.function.name")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        reason = "a tool call's arguments must be a JSON object in a string"
+        raise invalid_request(reason, f"{where}.function.arguments")
+    function = {"name": name, "arguments": parsed}
+    return {"id": call.get("id"), "type": "function", "function": function}
 
 
 async def _chat_stream(
@@ -212,6 +250,7 @@ async def _chat_stream(
                 created=call.created,
                 model=call.model,
                 system_fingerprint=fingerprint,
+                service_tier=TIER_NAMES[call.tier],
                 choices=choices,
                 usage=usage_,
             )
@@ -276,11 +315,12 @@ def _tool_delta(text: str, calls: list[oa.ToolCall] | None) -> oa.ChatDelta:
 async def completions(request: Request):
     platform: Platform = request.app.state.platform
     engine = platform.require_engine()
-    caller = await platform.directory.authenticate(request.headers.get("authorization"))
+    caller = await authenticate(request, platform)
     body = await parse_body(request, oa.CompletionRequest)
     call = Call(platform, caller, body.model, "cmpl", request)
     async with ending_on_error(call):
         refuse_unsupported(body)
+        call.choose_tier(body)
         params = sampling_params(body, constraint(body)[0])
         if body.echo and params.logprobs is not None:
             raise unsupported_field("echo", "echo with logprobs (prompt logprobs) is not served")
@@ -310,7 +350,7 @@ async def completions(request: Request):
 
 
 async def _completion_reply(engine, call, prompts, params, lora, echoes, platform):
-    primed = await start(engine, call, prompts, params, lora)
+    primed = await start(engine, call, prompts, params, lora, stream=False)
     choices = await collect(call, primed, params.n)
     return oa.Completion(
         id=call.id,
@@ -366,6 +406,7 @@ async def _completion_stream(
                 created=call.created,
                 model=call.model,
                 system_fingerprint=fingerprint,
+                service_tier=TIER_NAMES[call.tier],
                 choices=choices,
                 usage=usage_,
             )

@@ -1,0 +1,275 @@
+/* The CPU kernels: batched LoRA (lora_apply_*) and decode attention over the paged KV cache
+ * (attend_decode_*, at the end).
+ *
+ * Batched LoRA on CPU: y[t] += scale[s] * (x[t] @ A_s^T) @ B_s for each token t of run s, every
+ * adapter row read straight from the page pool, once per token (a token sorted next to tokens of
+ * the same adapter finds its rows in cache).
+ *
+ * Built and loaded by cpu_lora.py with the machine's own compiler (-O3 -march=native -fopenmp),
+ * called through ctypes. The OpenMP runtime is the one torch already loaded (same soname), so the
+ * two share one thread pool.
+ *
+ *   x       [n, fin]    row stride x_stride        the layer input
+ *   y       [n, fout]   row stride y_stride        accumulated into
+ *   a_rows  [runs * r]  flat pool offset of row j of run s's lora_A     (fin elements long)
+ *   b_rows  [runs * r]  flat pool offset of row j of run s's lora_B^T   (fout elements long)
+ *   slots   [n]         the run s of token t (the tokens of a prefill span share one)
+ *   scales  [runs]      float32
+ *   r       <= MAX_RANK (else nothing is done and 1 is returned)
+ *
+ * Arithmetic is float32 whatever the storage dtype; bfloat16 results are rounded to nearest even.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_RANK 1024
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t nan = (bits >> 16) | 0x40u; /* quiet */
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded); /* no branch: SIMD */
+}
+
+/* float32: each thread takes whole tokens, shrink into v, then expand straight into y, with no
+ * barrier in between. A token's rows are streamed front to back, which the prefetcher follows. */
+int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t n,
+                   int64_t fin, int64_t fout, const float *pool, const int64_t *a_rows,
+                   const int64_t *b_rows, const int64_t *slots, int64_t r, const float *scales,
+                   int num_threads) {
+    if (r > MAX_RANK) return 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t s = slots[t];
+        const int64_t *at = a_rows + s * r, *bt = b_rows + s * r;
+        const float *xt = x + t * x_stride;
+        float *yt = y + t * y_stride;
+        float v[MAX_RANK];
+        for (int64_t j = 0; j < r; j++) {
+            const float *a = pool + at[j];
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < fin; k++) acc += xt[k] * a[k];
+            v[j] = acc * scales[s];
+        }
+        for (int64_t j = 0; j < r; j++) {
+            const float *b = pool + bt[j];
+#pragma omp simd
+            for (int64_t k = 0; k < fout; k++) yt[k] += v[j] * b[k];
+        }
+    }
+    return 0;
+}
+
+/* bfloat16: the same, through float32 chunks of x and y on the thread's stack. With AVX-512 the
+ * inner loops are written out (a bfloat16 load widened by a shift, two accumulators for the
+ * dot product); compilers do not vectorize the plain loops as well. */
+#define CHUNK 512
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+static inline __m512 bf16x16(const uint16_t *p, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static inline float dot_bf16(const float *x, const uint16_t *a, int64_t n) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), bf16x16(a + k, 0xffff), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), bf16x16(a + k + 16, 0xffff), acc1);
+    }
+    for (; k < n; k += 16) {
+        __mmask16 m = tail_mask(n - k);
+        acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), bf16x16(a + k, m), acc0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+static inline void axpy_bf16(float *acc, float v, const uint16_t *b, int64_t n) {
+    const __m512 vv = _mm512_set1_ps(v);
+    for (int64_t k = 0; k < n; k += 16) {
+        __mmask16 m = tail_mask(n - k);
+        __m512 sum = _mm512_fmadd_ps(vv, bf16x16(b + k, m), _mm512_maskz_loadu_ps(m, acc + k));
+        _mm512_mask_storeu_ps(acc + k, m, sum);
+    }
+}
+#else
+static inline float dot_bf16(const float *x, const uint16_t *a, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t k = 0; k < n; k++) acc += x[k] * bf16_to_f32(a[k]);
+    return acc;
+}
+
+static inline void axpy_bf16(float *acc, float v, const uint16_t *b, int64_t n) {
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) acc[k] += v * bf16_to_f32(b[k]);
+}
+#endif
+
+int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
+                    int64_t n, int64_t fin, int64_t fout, const uint16_t *pool,
+                    const int64_t *a_rows, const int64_t *b_rows, const int64_t *slots, int64_t r,
+                    const float *scales, int num_threads) {
+    if (r > MAX_RANK) return 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t s = slots[t];
+        const int64_t *at = a_rows + s * r, *bt = b_rows + s * r;
+        float v[MAX_RANK], buf[CHUNK];
+        for (int64_t j = 0; j < r; j++) v[j] = 0.0f;
+        for (int64_t lo = 0; lo < fin; lo += CHUNK) {
+            const int64_t w = fin - lo < CHUNK ? fin - lo : CHUNK;
+            const uint16_t *xt = x + t * x_stride + lo;
+            for (int64_t k = 0; k < w; k++) buf[k] = bf16_to_f32(xt[k]);
+            for (int64_t j = 0; j < r; j++) v[j] += dot_bf16(buf, pool + at[j] + lo, w);
+        }
+        for (int64_t j = 0; j < r; j++) v[j] *= scales[s];
+        for (int64_t lo = 0; lo < fout; lo += CHUNK) {
+            const int64_t w = fout - lo < CHUNK ? fout - lo : CHUNK;
+            uint16_t *yt = y + t * y_stride + lo;
+            for (int64_t k = 0; k < w; k++) buf[k] = bf16_to_f32(yt[k]);
+            for (int64_t j = 0; j < r; j++) axpy_bf16(buf, v[j], pool + bt[j] + lo, w);
+            for (int64_t k = 0; k < w; k++) yt[k] = f32_to_bf16(buf[k]);
+        }
+    }
+    return 0;
+}
+
+/* Decode attention: out[b, h] = softmax(scale * q[b, h] . K_b) V_b for one query row per
+ * sequence, its keys and values read in place from the pages of its block table (no gather into
+ * a buffer, no upcast copy), scores and sums in float32.
+ *
+ *   q, out   [n, heads, dim]                       contiguous, the storage dtype
+ *   kv       [pages, page_size, 2, kv_heads, dim]  the layer's cache: pages page_stride apart,
+ *                                                  each page contiguous
+ *   tables   [n, table_stride] int64              page ids, in order
+ *   lens     [n] int64                              context length (>= 1) of each sequence
+ *
+ * Work is split over (sequence, kv head): the heads / kv_heads query heads of a group share each
+ * key and value read. Returns 1 (nothing done) past MAX_GROUP query heads a group or MAX_DIM. */
+#include <math.h>
+#include <stdlib.h>
+
+#define MAX_GROUP 16
+#define MAX_DIM 512
+
+static inline float dot_f32(const float *x, const float *a, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t k = 0; k < n; k++) acc += x[k] * a[k];
+    return acc;
+}
+
+static inline void axpy_f32(float *acc, float v, const float *b, int64_t n) {
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) acc[k] += v * b[k];
+}
+
+/* One (sequence, kv head): qf [g, dim] float32, already scaled, in; acc [g, dim] float32 out.
+ * Two passes: every key's scores (kept for the softmax), then the values weighted. -> 0, or 1
+ * if the scores' buffer could not be had. */
+#define DEFINE_ATTEND_GROUP(NAME, T, DOT, AXPY)                                                 \
+    static int NAME(const float *qf, float *acc, const T *kv, const int64_t *table,           \
+                    int64_t len, int64_t g, int64_t kv_heads, int64_t kvh, int64_t dim,       \
+                    int64_t page_size, int64_t page_stride) {                                 \
+        float *scores = malloc(sizeof(float) * (size_t)(g * len));                           \
+        if (scores == NULL) return 1;                                                          \
+        float top[MAX_GROUP], total[MAX_GROUP];                                               \
+        for (int64_t h = 0; h < g; h++) top[h] = -INFINITY, total[h] = 0.0f;                 \
+        for (int64_t t = 0; t < len; t++) {                                                   \
+            const T *page = kv + table[t / page_size] * page_stride;                          \
+            const T *key = page + ((t % page_size) * 2 * kv_heads + kvh) * dim;               \
+            for (int64_t h = 0; h < g; h++) {                                                 \
+                const float s = DOT(qf + h * dim, key, dim);                                  \
+                scores[h * len + t] = s;                                                      \
+                top[h] = s > top[h] ? s : top[h];                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t h = 0; h < g; h++) {                                                     \
+            for (int64_t t = 0; t < len; t++) {                                               \
+                const float e = expf(scores[h * len + t] - top[h]);                           \
+                scores[h * len + t] = e;                                                      \
+                total[h] += e;                                                                \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t k = 0; k < g * dim; k++) acc[k] = 0.0f;                                  \
+        for (int64_t t = 0; t < len; t++) {                                                   \
+            const T *page = kv + table[t / page_size] * page_stride;                          \
+            const T *value = page + (((t % page_size) * 2 + 1) * kv_heads + kvh) * dim;       \
+            for (int64_t h = 0; h < g; h++) AXPY(acc + h * dim, scores[h * len + t], value, dim); \
+        }                                                                                     \
+        for (int64_t h = 0; h < g; h++)                                                       \
+            for (int64_t k = 0; k < dim; k++) acc[h * dim + k] /= total[h];                   \
+        free(scores);                                                                         \
+        return 0;                                                                             \
+    }
+
+DEFINE_ATTEND_GROUP(attend_group_f32, float, dot_f32, axpy_f32)
+DEFINE_ATTEND_GROUP(attend_group_bf16, uint16_t, dot_bf16, axpy_bf16)
+
+static inline float f32_identity(float v) { return v; }
+
+/* The entry point for one storage type: each (sequence, kv head) on its own, the group's
+ * queries widened and scaled into float32, the result rounded back. */
+#define DEFINE_ATTEND_DECODE(NAME, T, GROUP, TO_F32, FROM_F32)                                  \
+    int NAME(const T *q, T *out, const T *kv, int64_t page_stride, const int64_t *tables,     \
+             int64_t table_stride, const int64_t *lens, int64_t n, int64_t heads,              \
+             int64_t kv_heads, int64_t dim, int64_t page_size, float scale, int num_threads) { \
+        const int64_t g = heads / kv_heads;                                                   \
+        if (g > MAX_GROUP || dim > MAX_DIM || g * kv_heads != heads) return 1;                \
+        int failed = 0;                                                                       \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : failed)") \
+        for (int64_t item = 0; item < n * kv_heads; item++) {                                 \
+            const int64_t b = item / kv_heads, kvh = item % kv_heads;                         \
+            const int64_t first = (b * heads + kvh * g) * dim; /* the group's first element */ \
+            float qf[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM];                          \
+            for (int64_t k = 0; k < g * dim; k++) qf[k] = TO_F32(q[first + k]) * scale;       \
+            failed |= GROUP(qf, acc, kv, tables + b * table_stride, lens[b], g, kv_heads, kvh, \
+                            dim, page_size, page_stride);                                     \
+            for (int64_t k = 0; k < g * dim; k++) out[first + k] = FROM_F32(acc[k]);          \
+        }                                                                                     \
+        return failed ? 2 : 0;                                                                \
+    }
+
+DEFINE_ATTEND_DECODE(attend_decode_f32, float, attend_group_f32, f32_identity, f32_identity)
+DEFINE_ATTEND_DECODE(attend_decode_bf16, uint16_t, attend_group_bf16, bf16_to_f32, f32_to_bf16)
+
+/* RMSNorm of each bfloat16 row, as the reference computes it: in float32, the normalized row
+ * rounded to bfloat16, then multiplied by the weight and rounded again (float32 models keep
+ * torch's ops, whose sum order this does not follow).
+ *   x, out  [n, dim] contiguous; w [dim] */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, int64_t dim,
+                   float eps) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *xi = x + i * dim;
+        uint16_t *oi = out + i * dim;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t k = 0; k < dim; k++) {
+            const float v = bf16_to_f32(xi[k]);
+            ss += v * v;
+        }
+        const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+        for (int64_t k = 0; k < dim; k++) {
+            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xi[k]) * r));
+            oi[k] = f32_to_bf16(bf16_to_f32(w[k]) * normed);
+        }
+    }
+}
