@@ -5,14 +5,15 @@
 
 Workload: SmolLM2, 32 requests of 64 prompt tokens (as token ids), 64 new tokens, greedy, EOS
 ignored; 32 distinct random rank-16 adapters on all seven projections, request i on adapter i.
-Every system runs the batch twice after a warm-up: on the base model, then on the adapters (all
-resident before timing). Prints the table of output tokens/s, each system's adapters/base ratio,
-the ratios the performance targets name (loraplex against vLLM, against PEFT switching adapters
-per request), and time to first token and inter-token latency of the 32 requests submitted at
-once through AsyncEngine. vLLM runs in its own process and virtual environment
-(benchmarks/vllm_peer.py); without it the vLLM row says so. On a CPU without native bfloat16,
-where vLLM's bfloat16 is emulated too, vLLM also runs the base model in float32 (it refuses LoRA
-in float32), so that the base-speed ratio is also given against its fastest configuration here.
+Every system runs the batch after a warm-up on the base model and on the adapters (all resident
+before timing), alternated `--rounds` times (3), and reports the medians. Prints the table of
+output tokens/s, each system's adapters/base ratio, the ratios the performance targets name
+(loraplex against vLLM, against PEFT switching adapters per request), and time to first token
+and inter-token latency of the 32 requests submitted at once through AsyncEngine. vLLM runs in
+its own process and virtual environment (benchmarks/vllm_peer.py); without it the vLLM row says
+so. On a CPU without native bfloat16, where vLLM's bfloat16 is emulated too, vLLM also runs the
+base model in float32 (it refuses LoRA in float32), so that the base-speed ratio is also given
+against its fastest configuration here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,17 +39,18 @@ ALL_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_loraplex(model_dir, dtype, prompts, loras, new_tokens) -> dict:
+def run_loraplex(model_dir, dtype, prompts, loras, new_tokens, rounds: int) -> dict:
     from loraplex import LLM
 
     llm = LLM(model=str(model_dir), dtype=dtype, max_num_batched_tokens=256)
     for lora in loras:
         llm.engine.load_adapter(lora)  # disk -> host -> pool before timing
     run_engine(llm, prompts[:2], 4, loras[:2])  # warm up
-    result = {
-        "base": run_engine(llm, prompts, new_tokens, None),
-        "adapters": run_engine(llm, prompts, new_tokens, loras),
-    }
+    runs: dict[str, list[float]] = {"base": [], "adapters": []}
+    for _ in range(rounds):  # alternated, so that a machine's drift touches both alike
+        runs["base"].append(run_engine(llm, prompts, new_tokens, None))
+        runs["adapters"].append(run_engine(llm, prompts, new_tokens, loras))
+    result = {name: statistics.median(figures) for name, figures in runs.items()}
     del llm
     gc.collect()
     return result
@@ -88,7 +91,9 @@ async def latencies(model_dir, dtype, prompts, loras, new_tokens) -> dict:
     return {"ttft": ttfts, "itl": gaps}
 
 
-def run_vllm(python: Path, model_dir, prompts, adapter_dirs, new_tokens, dtype) -> dict | str:
+def run_vllm(
+    python: Path, model_dir, prompts, adapter_dirs, new_tokens, dtype, rounds: int
+) -> dict | str:
     if not python.exists():
         return f"not installed ({python}; run benchmarks/vllm_peer_setup.sh)"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -99,6 +104,7 @@ def run_vllm(python: Path, model_dir, prompts, adapter_dirs, new_tokens, dtype) 
                 "adapters": [str(d) for d in adapter_dirs],
                 "new_tokens": new_tokens,
                 "dtype": dtype,
+                "rounds": rounds,
             },
             f,
         )
@@ -133,6 +139,7 @@ def main() -> None:
     parser.add_argument("--peft-requests", type=int, default=4)
     parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm/bin/python")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs per system (median)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -158,18 +165,18 @@ def main() -> None:
         loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
         for dtype in dtypes:
             rows[f"loraplex {dtype}"] = run_loraplex(
-                model_dir, dtype, prompts, loras, args.new_tokens
+                model_dir, dtype, prompts, loras, args.new_tokens, args.rounds
             )
             lat[dtype] = asyncio.run(latencies(model_dir, dtype, prompts, loras, args.new_tokens))
             gc.collect()
         rows["vLLM-CPU bfloat16"] = run_vllm(
-            args.vllm_python, model_dir, prompts, dirs, args.new_tokens, "bfloat16"
+            args.vllm_python, model_dir, prompts, dirs, args.new_tokens, "bfloat16", args.rounds
         )
         if not cpu_has_native_bf16():
             # bfloat16 is emulated here, which handicaps vLLM too; it refuses LoRA in float32,
             # so its float32 row is the base model only
             rows["vLLM-CPU float32"] = run_vllm(
-                args.vllm_python, model_dir, prompts, [], args.new_tokens, "float32"
+                args.vllm_python, model_dir, prompts, [], args.new_tokens, "float32", args.rounds
             )
         peft = run_peft_switching(
             model_dir, dirs[: args.peft_requests], prompts[: args.peft_requests], args.new_tokens

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -46,11 +47,15 @@ def main() -> None:
         return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm up
-    result = {"base": run(None), "adapters": None, "version": vllm.__version__}
     if loras:  # an empty list: the base model only
         llm.generate(prompts, params, lora_request=loras, use_tqdm=False)  # all resident
-        result["adapters"] = run(loras)
-    print("VLLM_PEER " + json.dumps(result), flush=True)
+    runs: dict[str, list[float]] = {"base": [], "adapters": []}
+    for _ in range(work.get("rounds", 1)):  # alternated, as loraplex's are
+        runs["base"].append(run(None))
+        if loras:
+            runs["adapters"].append(run(loras))
+    result = {name: statistics.median(v) if v else None for name, v in runs.items()}
+    print("VLLM_PEER " + json.dumps({**result, "version": vllm.__version__}), flush=True)
 
 
 if __name__ == "__main__":
