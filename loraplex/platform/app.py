@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -118,11 +117,6 @@ def _openapi(app: FastAPI) -> dict:
 async def _start(platform: Platform, on_ready: OnReady | None, on_failure) -> None:
     try:
         await platform.start()
-        # what start-up built (weights, tokenizer, imported modules) lives as long as the
-        # process: frozen out of the collector, a full collection no longer walks it (one took
-        # ~200 ms with the tiny model, a stall for every request and the engine alike)
-        gc.collect()
-        gc.freeze()
         platform.batches.start()
         if on_ready is not None:
             await on_ready(platform)
