@@ -182,16 +182,18 @@ static inline void axpy_f32(float *acc, float v, const float *b, int64_t n) {
 }
 
 /* Keys and values are read a row (one token, one kv head) at a time from pages scattered in
- * memory; without a hint the loads of a cold layer wait on memory one row after another. */
+ * memory; without a hint the loads of a cold layer wait on memory one row after another, so
+ * each row is prefetched AHEAD tokens before it is read. */
 #define AHEAD 6
 
-static inline void prefetch_row(const void *kv, const int64_t *table, int64_t t, int64_t which,
-                                int64_t kv_heads, int64_t kvh, int64_t dim, int64_t page_size,
-                                int64_t page_stride, size_t elem) {
-    const char *row = (const char *)kv + (size_t)(table[t / page_size] * page_stride) * elem +
-                      (size_t)((((t % page_size) * 2 + which) * kv_heads + kvh) * dim) * elem;
-    for (size_t at = 0; at < (size_t)dim * elem; at += 64) __builtin_prefetch(row + at);
+static inline void prefetch_bytes(const void *p, size_t n) {
+    for (size_t at = 0; at < n; at += 64) __builtin_prefetch((const char *)p + at);
 }
+
+/* Token t's key (which 0) or value (which 1) row of kv head kvh, inside an attend_group. */
+#define KV_ROW(t, which)                                                                      \
+    (kv + table[(t) / page_size] * page_stride +                                              \
+     ((((t) % page_size) * 2 + (which)) * kv_heads + kvh) * dim)
 
 /* One (sequence, kv head): qf [g, dim] float32, already scaled, in; acc [g, dim] float32 out.
  * Two passes: every key's scores (kept for the softmax), then the values weighted. -> 0, or 1
@@ -205,10 +207,8 @@ static inline void prefetch_row(const void *kv, const int64_t *table, int64_t t,
         float top[MAX_GROUP], total[MAX_GROUP];                                               \
         for (int64_t h = 0; h < g; h++) top[h] = -INFINITY, total[h] = 0.0f;                 \
         for (int64_t t = 0; t < len; t++) {                                                   \
-            if (t + AHEAD < len) prefetch_row(kv, table, t + AHEAD, 0, kv_heads, kvh, dim,   \
-                                              page_size, page_stride, sizeof(T));             \
-            const T *page = kv + table[t / page_size] * page_stride;                          \
-            const T *key = page + ((t % page_size) * 2 * kv_heads + kvh) * dim;               \
+            if (t + AHEAD < len) prefetch_bytes(KV_ROW(t + AHEAD, 0), dim * sizeof(T));      \
+            const T *key = KV_ROW(t, 0);                                                      \
             for (int64_t h = 0; h < g; h++) {                                                 \
                 const float s = DOT(qf + h * dim, key, dim);                                  \
                 scores[h * len + t] = s;                                                      \
@@ -224,10 +224,8 @@ static inline void prefetch_row(const void *kv, const int64_t *table, int64_t t,
         }                                                                                     \
         for (int64_t k = 0; k < g * dim; k++) acc[k] = 0.0f;                                  \
         for (int64_t t = 0; t < len; t++) {                                                   \
-            if (t + AHEAD < len) prefetch_row(kv, table, t + AHEAD, 1, kv_heads, kvh, dim,   \
-                                              page_size, page_stride, sizeof(T));             \
-            const T *page = kv + table[t / page_size] * page_stride;                          \
-            const T *value = page + (((t % page_size) * 2 + 1) * kv_heads + kvh) * dim;       \
+            if (t + AHEAD < len) prefetch_bytes(KV_ROW(t + AHEAD, 1), dim * sizeof(T));      \
+            const T *value = KV_ROW(t, 1);                                                    \
             for (int64_t h = 0; h < g; h++) AXPY(acc + h * dim, scores[h * len + t], value, dim); \
         }                                                                                     \
         for (int64_t h = 0; h < g; h++)                                                       \

@@ -109,18 +109,18 @@ def usage_of(server, tenant_id: str, at_least_requests: int) -> dict:
         time.sleep(0.2)
 
 
-def latency_during_a_job(client) -> tuple[float, float, object, int]:
-    """Interactive TTFT medians on an idle server (16 requests before a 50-request batch job,
+def latency_during_a_job(client, lines: list[dict]) -> tuple[float, float, object, int]:
+    """Interactive TTFT medians on an idle server (16 requests before a batch job of `lines`,
     16 after it, against drift) and during the job (32); the finished job; requests sent."""
     for i in range(3):
         ttft(client, i)  # warm up
     idle = [ttft(client, i) for i in range(16)]
-    batch = submit(client, [request_line(i, max_tokens=160) for i in range(50)])
+    batch = submit(client, lines)
     assert batch.status == "validating" and batch.endpoint == "/v1/chat/completions"
     wait_for(client, batch.id, lambda b: b.status == "in_progress" and b.request_counts.completed)
     busy = [ttft(client, i) for i in range(32)]
     during = client.batches.retrieve(batch.id)
-    assert during.status == "in_progress" and during.request_counts.completed < 50
+    assert during.status == "in_progress" and during.request_counts.completed < len(lines)
     batch = wait_for(client, batch.id, finished)
     idle += [ttft(client, i) for i in range(16)]
     sent = 3 + len(idle) + len(busy)
@@ -130,12 +130,12 @@ def latency_during_a_job(client) -> tuple[float, float, object, int]:
 def test_a_batch_job_completes_while_interactive_requests_keep_their_latency(batch_server, report):
     client = new_client(batch_server)
     lines = [request_line(i, max_tokens=160) for i in range(50)]
-    idle_server, during_job, batch, interactive = latency_during_a_job(client)
+    idle_server, during_job, batch, interactive = latency_during_a_job(client, lines)
     figures = f"idle {idle_server * 1e3:.1f} ms, during the job {during_job * 1e3:.1f} ms"
     if during_job > 1.5 * idle_server:
         # this VM's speed drifts between the phases of a run: measured once more, on a second
         # job of another tenant, and both figures reported
-        idle_server, during_job, _, _ = latency_during_a_job(new_client(batch_server))
+        idle_server, during_job, _, _ = latency_during_a_job(new_client(batch_server), lines)
         figures += f"; again: idle {idle_server * 1e3:.1f} ms, during {during_job * 1e3:.1f} ms"
     report(
         f"batch API: 50 requests x 160 tokens at the batch tier; interactive TTFT (medians of 32 "
