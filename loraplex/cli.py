@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="set up a demo tenant with the demo adapters and print a key for it",
     )
+    serve.add_argument(
+        "--ray",
+        action="store_true",
+        help="run on Ray Serve: engine replicas behind one endpoint (pip install loraplex[ray])",
+    )
     serve.set_defaults(func=_serve)
 
     db = commands.add_parser("db", help="manage the registry database")
@@ -84,7 +89,15 @@ def _serve(args: argparse.Namespace) -> int:
     from loraplex.platform.server import serve
     from loraplex.platform.settings import load_settings
 
-    settings = load_settings(args.config, host=args.host, port=args.port)
+    overrides = {"host": args.host, "port": args.port}
+    settings = load_settings(args.config, **overrides)
+    if args.ray:
+        if args.demo:
+            print("--demo sets up the single-process server only", file=sys.stderr)
+            return 2
+        from loraplex.platform.ray_serve import run
+
+        return run(settings, args.config, {k: v for k, v in overrides.items() if v is not None})
     return serve(settings, demo=args.demo)
 
 

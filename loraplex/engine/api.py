@@ -21,6 +21,7 @@ from loraplex.engine.errors import (
     RequestFailedError,
 )
 from loraplex.engine.fairness import Fairness, Tier
+from loraplex.engine.front import Front, FrontMethods
 from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.outputs import RequestDelta, SequenceDelta
 from loraplex.engine.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
@@ -40,6 +41,8 @@ __all__ = [
     "EngineStats",
     "ErrorCode",
     "Fairness",
+    "Front",
+    "FrontMethods",
     "InvalidRequestError",
     "LoRARequest",
     "ModelInfo",

@@ -53,9 +53,9 @@ from loraplex.engine.errors import (
     fresh,
 )
 from loraplex.engine.fairness import Fairness
+from loraplex.engine.front import Front, FrontMethods
 from loraplex.engine.info import AdapterInfo, EngineStats, ModelInfo
 from loraplex.engine.outputs import RequestDelta, merge_deltas
-from loraplex.engine.prompts import check_text, prompt_token_ids
 from loraplex.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -75,11 +75,15 @@ class _Listener:
     held: RequestDelta | None = None  # the engine thread's sum so far (engine thread only)
 
 
-class AsyncEngine:
+class AsyncEngine(FrontMethods):
+    """See the module's doc. Templating and tokenizing (`encode_chat`, `encode`, `prompt_ids`,
+    `token_bytes`, any thread) come from FrontMethods, over the engine's own tokenizer."""
+
     def __init__(self, config: EngineConfig) -> None:
         self._engine = LLMEngine(config)
         self._max_waiting = config.max_waiting_requests
         self._model_info = self._engine.model_info()
+        self.front = Front(self._engine.tokenizer, self._engine.model_config.vocab_size)
         self._stats = self._engine.stats()
         self._inbox: queue.Queue = queue.Queue()
         self._listeners: dict[str, _Listener] = {}
@@ -224,27 +228,6 @@ class AsyncEngine:
         return self._engine.catalog.cached_ids()
 
     # -- for the server ---------------------------------------------------------------------
-
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """The conversation (and the tools, where the template renders them) through the model's
-        chat template, as token ids. Any thread."""
-        return self._engine.tokenizer.encode_chat(messages, tools)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The exact bytes of one token (for logprobs). Any thread."""
-        return self._engine.tokenizer.token_bytes(token_id)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a plain prompt, as `generate` would tokenize it. Any thread. Raises
-        InvalidRequestError for text that is not valid Unicode."""
-        check_text(text, "prompt")
-        return self._engine.tokenizer.encode(text)
-
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """A prompt (text, or token ids) checked as `generate` checks it -> its token ids. Any
-        thread. Raises InvalidRequestError (empty, not Unicode, ids outside the vocabulary)."""
-        engine = self._engine
-        return prompt_token_ids(prompt, engine.tokenizer, engine.model_config.vocab_size)[1]
 
     def model_info(self) -> ModelInfo:
         return self._model_info

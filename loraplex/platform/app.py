@@ -21,7 +21,7 @@ from loraplex.platform.metrics import CONTENT_TYPE
 from loraplex.platform.middleware import RequestMiddleware
 from loraplex.platform.routes import admin, batches, openai
 from loraplex.platform.settings import Settings
-from loraplex.platform.state import Platform
+from loraplex.platform.state import EngineFactory, Platform, local_engine
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +61,11 @@ def create_app(
     admin_token: str,
     on_ready: OnReady | None = None,
     on_failure: Callable[[], None] | None = None,
+    engine_factory: EngineFactory = local_engine,
 ) -> FastAPI:
-    """`on_ready` runs once the engine and database are up; `on_failure` if they cannot be."""
-    platform = Platform(settings=settings, admin_token=admin_token)
+    """`on_ready` runs once the engine and database are up; `on_failure` if they cannot be;
+    `engine_factory` makes the engine (by default in this process)."""
+    platform = Platform(settings=settings, admin_token=admin_token, engine_factory=engine_factory)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -3,7 +3,8 @@
 Two kinds: what the platform counts on the request path (requests by route, model and status;
 latency histograms; tokens by tenant), and what the engine already counts, read at scrape time
 from `AsyncEngine.stats()` (queue depths, batch size, pool pages by use, adapter loads), so the
-engine thread never touches a metric.
+engine thread never touches a metric. On Ray Serve the engine figures are summed over the engine
+replicas, and each replica's own figures come as `loraplex_replica_*{replica=...}`.
 
 Label values stay bounded: `route` is the route's template (not the raw path), `model` is the
 name a request resolved to (base model or a visible adapter; "-" when it did not resolve, so an
@@ -39,7 +40,13 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], EngineStats | None],
+        replicas: Callable[[], list | None] = lambda: None,
+    ) -> None:
+        """`engine_stats` as of the engine's last step (summed over replicas when remote);
+        `replicas` each engine replica's last report (ray_serve.ReplicaReport), or None."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -79,6 +86,7 @@ class Metrics:
             registry=r,
         )
         r.register(_EngineCollector(engine_stats))
+        r.register(_ReplicaCollector(replicas))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -142,6 +150,56 @@ class _EngineCollector(Collector):
             count_value=stats.num_adapter_disk_reads,
             sum_value=stats.adapter_disk_read_seconds,
         )
+
+
+class _ReplicaCollector(Collector):
+    """Per engine replica, when the engine is remote (Ray Serve): load, pool, affinity."""
+
+    GAUGES = (
+        ("requests_running", "Requests in the replica's running batch."),
+        ("requests_waiting", "Requests waiting on the replica."),
+        ("free_pages", "Free pages of the replica's pool."),
+        ("kv_pages", "Pages of the replica's pool held by requests."),
+        ("adapter_pages", "Pages of the replica's pool held by adapters."),
+        ("resident_adapters", "Adapters resident in the replica's pool."),
+        ("routed_adapters", "Adapters Ray routes to the replica (its multiplexed models)."),
+    )
+    COUNTERS = (
+        ("adapter_requests", "Requests for an adapter the replica served."),
+        ("affinity_hits", "... of which the replica already held the adapter."),
+    )
+
+    def __init__(self, replicas: Callable[[], list | None]) -> None:
+        self.replicas = replicas
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator:
+        reports = self.replicas()
+        if reports is None:
+            return
+        name = PREFIX + "replica_"
+        families = {g: GaugeMetricFamily(name + g, d, labels=["replica"]) for g, d in self.GAUGES}
+        families |= {
+            c: CounterMetricFamily(name + c, d, labels=["replica"]) for c, d in self.COUNTERS
+        }
+        for report in reports:
+            stats = report.stats
+            values = {
+                "requests_running": stats.num_running_requests,
+                "requests_waiting": stats.num_waiting_requests,
+                "free_pages": stats.free_pages,
+                "kv_pages": stats.kv_pages,
+                "adapter_pages": stats.adapter_pages,
+                "resident_adapters": stats.num_resident_adapters,
+                "routed_adapters": report.routed,
+                "adapter_requests": report.adapter_requests,
+                "affinity_hits": report.affinity_hits,
+            }
+            for key, family in families.items():
+                family.add_metric([report.replica], values[key])
+        yield from families.values()
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

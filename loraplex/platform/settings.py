@@ -51,6 +51,28 @@ class EngineSettings(BaseModel):
     scheduling_policy: Literal["fair", "fcfs"] = "fair"  # fair shares between tenants, tiers
 
 
+class RaySettings(BaseModel):
+    """Scale-out on Ray Serve (`loraplex serve --ray`, `[ray]` in the TOML file,
+    `LORAPLEX_RAY__*` in the environment); see docs/scaling.md."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = None  # a running cluster ("auto", "ray://..."); None: start one here
+    num_cpus: int | None = None  # CPUs of the Ray instance started here (None: all)
+    engine_replicas: int = Field(2, ge=1)  # at start; autoscaled up to max_engine_replicas
+    max_engine_replicas: int | None = None  # None: a fixed number of replicas
+    ingress_replicas: int = Field(1, ge=1)
+    engine_cpus: float = Field(0.5, gt=0)  # Ray resources of one engine replica
+    engine_gpus: float = Field(0, ge=0)  # 1 on a GPU cluster: one replica per GPU
+    ingress_cpus: float = Field(0.25, gt=0)
+    # adapters a replica holds for routing (Ray's multiplexing); requests for them go there
+    adapters_per_replica: int = Field(64, ge=1)
+    max_ongoing_requests: int = Field(256, ge=1)  # per engine replica, before Ray queues
+    target_ongoing_requests: float = Field(32, gt=0)  # the autoscaler's aim per replica
+    # the same request again on another replica when its replica died before its first token
+    retries: int = Field(4, ge=0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", validate_default=True
@@ -80,6 +102,7 @@ class Settings(BaseSettings):
     log_format: Literal["json", "text"] = "json"
     log_requests: bool = True  # a JSON line per request: ids, status, tokens, latency; no text
     engine: EngineSettings = EngineSettings()
+    ray: RaySettings = RaySettings()
 
     @field_validator("adapter_roots", mode="before")
     @classmethod
@@ -177,6 +200,7 @@ def _read_toml(path: Path) -> dict:
 def _check_environment() -> None:
     known = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
     known |= {f"{ENV_PREFIX}ENGINE__{name.upper()}" for name in EngineSettings.model_fields}
+    known |= {f"{ENV_PREFIX}RAY__{name.upper()}" for name in RaySettings.model_fields}
     unknown = sorted(
         name
         for name in os.environ

@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,20 @@ def served_model_name(settings: Settings) -> str:
     return Path(settings.model).name
 
 
+EngineFactory = Callable[[Settings], Awaitable[AsyncEngine]]
+
+
+async def local_engine(settings: Settings) -> AsyncEngine:
+    """The engine in this process, on its own thread (the default)."""
+    return await asyncio.to_thread(AsyncEngine, settings.engine_config())
+
+
 @dataclass
 class Platform:
     settings: Settings
     admin_token: str
+    # the engine: in this process, or remote replicas behind the same surface (ray_serve.py)
+    engine_factory: EngineFactory = local_engine
     base_model: str = ""
     db: Database | None = None
     engine: AsyncEngine | None = None
@@ -57,7 +68,16 @@ class Platform:
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
-        self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.metrics = Metrics(
+            lambda: self.engine.stats() if self.engine is not None else None,
+            self.replica_reports,
+        )
+
+    def replica_reports(self) -> list | None:
+        """Each engine replica's last report (ray_serve.ReplicaReport) when the engine is
+        remote; None for the engine in this process."""
+        reports = getattr(self.engine, "replica_reports", None)
+        return reports() if reports is not None else None
 
     @property
     def ready(self) -> bool:
@@ -83,7 +103,7 @@ class Platform:
         self.limiter = make_limiter(settings.redis_url)
         self.usage = UsageWriter(self.db, settings.usage_flush_seconds)
         self.usage.start()
-        self.engine = await asyncio.to_thread(AsyncEngine, settings.engine_config())
+        self.engine = await self.engine_factory(settings)
         info = self.engine.model_info()
         self.fingerprint = "fp_" + hashlib.sha256(info.model.encode()).hexdigest()[:10]
         await self._restore_pins()

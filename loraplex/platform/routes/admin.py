@@ -229,7 +229,28 @@ async def engine_report(platform: PlatformDep) -> dict:
             "adapter_pages": snapshot.adapter_pages,
             "resident": [r.__dict__ for r in snapshot.resident],
         },
+        "replicas": _replicas(platform),
     }
+
+
+def _replicas(platform) -> list[dict] | None:
+    """Each engine replica's last report, when the engine runs on Ray Serve."""
+    reports = platform.replica_reports()
+    if reports is None:
+        return None
+    return [
+        {
+            "replica": r.replica,
+            "running_requests": r.stats.num_running_requests,
+            "waiting_requests": r.stats.num_waiting_requests,
+            "free_pages": r.pool.free_pages,
+            "resident_adapters": [a for info in r.pool.resident for a in info.adapter_ids],
+            "routed_adapters": r.routed,
+            "adapter_requests": r.adapter_requests,
+            "affinity_hits": r.affinity_hits,
+        }
+        for r in reports
+    ]
 
 
 @router.get("/audit", response_model=ListOf[AuditOut])
