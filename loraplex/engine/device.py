@@ -13,8 +13,10 @@ CPU build without oneDNN), `torch.nn.functional.linear`.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,33 @@ LORA_BACKENDS = ("native", "torch", "triton", "reference")
 # CPU flags meaning bfloat16 matrix products run natively (Intel AMX, AVX512-BF16 on Intel and
 # AMD); without them bfloat16 is emulated and slower than float32.
 _NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Zeros, on a CPU held in 2 MiB pages where Linux offers them (transparent huge pages, which
+    most distributions give only to memory that asks, with madvise). The page pool is read row by
+    row at scattered places (keys and values of each sequence, adapter rows): with 4 KiB pages
+    nearly every row costs a TLB miss, with 2 MiB pages a whole stretch of the pool shares one."""
+    if device != "cpu" or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    tensor = torch.empty(shape, dtype=dtype)
+    start = tensor.data_ptr()
+    low = -(-start // HUGE_PAGE) * HUGE_PAGE  # the whole 2 MiB pages inside the tensor
+    high = (start + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if high > low:
+        _libc().madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), _MADV_HUGEPAGE)
+    return tensor.zero_()  # first touch after the advice: the kernel backs it with huge pages
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 @functools.cache

@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from loraplex.engine.device import zeros_in_huge_pages
+
 
 class PagePool:
     """Free-list allocator over `num_pages` pages of `page_numel` elements each.
@@ -33,7 +35,7 @@ class PagePool:
             raise ValueError(f"the page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.page_numel = page_numel
-        self.data = torch.zeros(num_pages, page_numel, dtype=dtype, device=device)
+        self.data = zeros_in_huge_pages((num_pages, page_numel), dtype, device)
         # Pop from the end: low page ids are handed out first, which keeps tests readable.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._reclaimable: Callable[[], int] = lambda: 0

@@ -70,3 +70,26 @@ def test_engine_returns_every_page_after_finishes_and_aborts(tiny_llama, seed):
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert set(finished_reasons) <= {"stop", "length"}
     assert engine.num_preemptions > 0, "the pool was meant to be too small for the load"
+
+
+def _huge_page_kib() -> int:
+    with open("/proc/self/smaps_rollup") as rollup:
+        return int(rollup.read().split("AnonHugePages:")[1].split()[0])
+
+
+def _transparent_huge_pages() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+            return mode.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+@pytest.mark.skipif(
+    _transparent_huge_pages() == "never", reason="this kernel gives no transparent huge pages"
+)
+def test_the_pool_sits_in_huge_pages_and_holds_zeros():
+    before = _huge_page_kib()
+    pool = PagePool(num_pages=512, page_numel=16384, dtype=torch.float32, device="cpu")  # 32 MiB
+    assert torch.count_nonzero(pool.data) == 0
+    assert _huge_page_kib() - before >= 28 * 1024  # all but the unaligned ends
