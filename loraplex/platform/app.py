@@ -62,14 +62,19 @@ def create_app(
     on_ready: OnReady | None = None,
     on_failure: Callable[[], None] | None = None,
     engine_factory: EngineFactory = local_engine,
+    start_before_serving: bool = False,
 ) -> FastAPI:
     """`on_ready` runs once the engine and database are up; `on_failure` if they cannot be;
-    `engine_factory` makes the engine (by default in this process)."""
+    `engine_factory` makes the engine (by default in this process). The app answers `/health`
+    while they start, unless `start_before_serving` (for a host that routes to it only once
+    its start-up is over, such as a Ray Serve replica)."""
     platform = Platform(settings=settings, admin_token=admin_token, engine_factory=engine_factory)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         starting = asyncio.create_task(_start(platform, on_ready, on_failure))
+        if start_before_serving:
+            await starting
         try:
             yield
         finally:

@@ -211,12 +211,12 @@ class EngineReplica:
         snapshot = await self.engine.pool_snapshot()
         held = set(self.engine.host_cached_adapters())
         held.update(i for resident in snapshot.resident for i in resident.adapter_ids)
-        for routed in self.routed.values():
+        for routed in list(self.routed.values()):  # Ray may let one go meanwhile
             held |= routed.adapter_ids
         for adapter_id in held - rows.keys():
             self.pinned.discard(adapter_id)
             await self.engine.unload_adapter(adapter_id)
-            for routed in self.routed.values():
+            for routed in list(self.routed.values()):
                 routed.adapter_ids.discard(adapter_id)
         for adapter_id in self.pinned - {i for i, (_, pinned) in rows.items() if pinned}:
             self.pinned.discard(adapter_id)
@@ -276,7 +276,10 @@ class Ingress:
                 self.engine_handle, board(), settings.model, settings.ray.retries
             )
 
-        return create_app(self.settings, token, engine_factory=remote_engine)
+        # Ray routes to a replica once its app has started: only once it can serve, then
+        return create_app(
+            self.settings, token, engine_factory=remote_engine, start_before_serving=True
+        )
 
 
 def application(settings: Settings, config: str | None = None, overrides: dict | None = None):

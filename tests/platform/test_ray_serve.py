@@ -57,6 +57,9 @@ def cluster(tmp_path_factory, tiny_llama, adapter_dirs):
         **SHARED,
     )
     try:
+        # Ray routes only to an ingress replica whose platform has started: once one answers,
+        # every answer is ready (a replica still starting would say 503 "starting")
+        assert all(httpx.get(f"{server.url}/ready").status_code == 200 for _ in range(8))
         wait_for_replicas(server, 2)
         yield server
     finally:
