@@ -108,6 +108,9 @@ class RemoteEngine(FrontMethods):
                 logger.warning("engine replica lost before the request started; retrying")
                 await asyncio.sleep(retry_pause(attempt))
                 attempt += 1
+            except BaseException:  # refused, or the caller left (cancelled) before any output
+                responses.cancel()
+                raise
         finished = first.finished
         try:
             yield first

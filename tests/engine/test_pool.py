@@ -72,9 +72,19 @@ def test_engine_returns_every_page_after_finishes_and_aborts(tiny_llama, seed):
     assert engine.num_preemptions > 0, "the pool was meant to be too small for the load"
 
 
-def _huge_page_kib() -> int:
-    with open("/proc/self/smaps_rollup") as rollup:
-        return int(rollup.read().split("AnonHugePages:")[1].split()[0])
+def _advised_huge(address: int) -> bool:
+    """Whether the mapping holding `address` carries the huge-page advice (VmFlags "hg"): the
+    kernel then backs it with 2 MiB pages whenever it has them free."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    return False
 
 
 def _transparent_huge_pages() -> str:
@@ -88,10 +98,9 @@ def _transparent_huge_pages() -> str:
 @pytest.mark.skipif(
     _transparent_huge_pages() == "never", reason="this kernel gives no transparent huge pages"
 )
-def test_the_pool_sits_in_huge_pages_and_holds_zeros():
-    # 128 MiB: past malloc's largest mmap threshold (32 MiB), so fresh memory, as a real pool's
-    # (a smaller block may be carved from memory the process already touched in 4 KiB pages)
-    before = _huge_page_kib()
+def test_the_pool_asks_for_huge_pages_and_holds_zeros():
     pool = PagePool(num_pages=512, page_numel=65536, dtype=torch.float32, device="cpu")
     assert torch.count_nonzero(pool.data) == 0
-    assert _huge_page_kib() - before >= 124 * 1024  # all but the unaligned ends
+    middle = pool.data.data_ptr() + pool.data.numel() * pool.data.element_size() // 2
+    assert _advised_huge(middle)
+    assert not _advised_huge(torch.zeros(65536 * 512).data_ptr() + (1 << 20))  # as torch gives
