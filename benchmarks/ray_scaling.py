@@ -106,17 +106,17 @@ async def throughput(url: str, key: str, models: list[str], count: int, tokens: 
     return count * tokens / seconds
 
 
-def throughput_of(server: Server, args) -> float:
+def throughput_of(name: str, server: Server, args) -> float:
     key, models = set_up(server, sorted(p.parent for p in DEMO.glob("*/adapter_config.json")))
     tok_s = asyncio.run(throughput(server.url, key, models, args.concurrency, args.tokens))
-    print(f"{server.name:8s} SmolLM2 throughput {tok_s:7.1f} tok/s", flush=True)
+    print(f"{name:8s} SmolLM2 throughput {tok_s:7.1f} tok/s", flush=True)
     return tok_s
 
 
-def latency_of(server: Server, args) -> float:
+def latency_of(name: str, server: Server, args) -> float:
     key, models = set_up(server, [])
     seconds = asyncio.run(latency(server.url, key, models[0], args.latency_requests))
-    print(f"{server.name:8s} tiny-model latency {seconds * 1000:6.1f} ms", flush=True)
+    print(f"{name:8s} tiny-model latency {seconds * 1000:6.1f} ms", flush=True)
     return seconds
 
 
@@ -155,9 +155,8 @@ def main() -> None:
                     log_requests="false",
                     **settings,
                 )
-                server.name = name
                 try:
-                    figures[name] = measure(server, args)
+                    figures[name] = measure(name, server, args)
                 finally:
                     server.stop()
     print()

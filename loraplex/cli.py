@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         from loraplex.platform.ray_serve import run
 
-        return run(settings, args.config, {k: v for k, v in overrides.items() if v is not None})
+        return run(settings, args.config, overrides)  # None values: unset (load_settings)
     return serve(settings, demo=args.demo)
 
 

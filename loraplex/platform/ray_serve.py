@@ -328,7 +328,7 @@ def run(settings: Settings, config: Path | None, overrides: dict) -> int:
     configure_logs(settings.log_level, settings.log_format)
     _, token_file = admin_token(settings, create=True)  # the ingress reads it there too
     resolve_model(settings.model)  # prepare the default model once, before the replicas look
-    migrate.upgrade(settings.database)
+    migrate.upgrade(settings.database)  # once, before ingress replicas start side by side
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     scale = settings.ray
     if scale.address:
