@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from loraplex.engine.adapters.lora_batch import Modules
 from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
@@ -67,6 +68,16 @@ class CausalLM:
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
         self._norm_kernel = choose_norm_kernel(device, dtype)
+        # the LoRA modules on each projection's output: (module, first column, width)
+        c, inter = config, config.intermediate_size
+        self._qkv_modules = (
+            ("q_proj", 0, c.q_size),
+            ("k_proj", c.q_size, c.kv_size),
+            ("v_proj", c.q_size + c.kv_size, c.kv_size),
+        )
+        self._o_modules = (("o_proj", 0, c.hidden_size),)
+        self._gate_up_modules = (("gate_proj", 0, inter), ("up_proj", inter, inter))
+        self._down_modules = (("down_proj", 0, c.hidden_size),)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._norm_kernel is not None:
@@ -115,30 +126,30 @@ class CausalLM:
     ) -> torch.Tensor:
         c = self.config
         qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
+        _add_lora(batch, index, self._qkv_modules, x, qkv)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        for module, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-            _add_lora(batch, index, module, x, out)
         q = self.rope.rotate(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
         k = self.rope.rotate(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
         write_kv(kv_cache, k, v.reshape(-1, c.num_kv_heads, c.head_dim), batch)
         attended = paged_attention(q, kv_cache, batch, self.scale).flatten(1)
         out = layer.o(attended)
-        _add_lora(batch, index, "o_proj", attended, out)
+        _add_lora(batch, index, self._o_modules, attended, out)
         return out
 
     def _mlp(self, index: int, layer: Layer, x: torch.Tensor, batch: ForwardBatch):
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        _add_lora(batch, index, "gate_proj", x, gate)
-        _add_lora(batch, index, "up_proj", x, up)
+        gate_up = layer.gate_up(x)
+        _add_lora(batch, index, self._gate_up_modules, x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
         hidden = F.silu(gate) * up
         out = layer.down(hidden)
-        _add_lora(batch, index, "down_proj", hidden, out)
+        _add_lora(batch, index, self._down_modules, hidden, out)
         return out
 
 
 def _add_lora(
-    batch: ForwardBatch, layer: int, module: str, x: torch.Tensor, out: torch.Tensor
+    batch: ForwardBatch, layer: int, modules: Modules, x: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """out += the LoRA delta of `module` for the tokens whose adapter changes it."""
+    """out += the LoRA deltas of `modules` (each at its columns of out) for the tokens whose
+    adapter changes them."""
     if batch.lora is not None:
-        batch.lora.add(layer, module, x, out)
+        batch.lora.add(layer, modules, x, out)

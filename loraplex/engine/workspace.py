@@ -2,7 +2,8 @@
 
 A fresh multi-megabyte tensor is fresh memory: the kernel maps its pages on first touch, every
 step. Gathers whose output is consumed at once (stacked adapter weights, gathered KV pages) write
-into a named buffer that lives as long as the engine instead.
+into a named buffer that lives as long as the engine instead. So does the last step's LoRA
+metadata, which the next step reuses while its tokens use the same adapters in the same order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class Workspace:
     def __init__(self, device: str) -> None:
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
+        self.last_lora: tuple | None = None  # (key, metadata, adapters): lora_batch's to use
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)

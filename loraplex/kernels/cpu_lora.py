@@ -32,8 +32,9 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
 MAX_RANK = 1024  # as in cpu_kernels.c; a larger rank takes the torch path
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_MODULES = 8  # outputs a call (cpu_kernels.c)
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-_ARGTYPES += [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+_ARGTYPES += [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
 _ARGTYPES += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
 
 
@@ -122,6 +123,27 @@ class _PerDtype:
         return dtype in self._functions
 
 
+class Outputs:
+    """Where a LoRA call's modules write: module rows[i] (a row of the a_rows / b_rows tables)
+    onto columns columns[i] .. columns[i] + widths[i] of y. Made once per (adapter shape, layer,
+    projection) and reused: a call then costs no tensor of its own."""
+
+    def __init__(self, parts: list[tuple[int, int, int]]) -> None:
+        if not 0 < len(parts) <= MAX_MODULES:
+            raise ValueError(f"a call writes 1 to {MAX_MODULES} modules, got {len(parts)}")
+        self.rows = torch.tensor([row for row, _, _ in parts], dtype=torch.int64)
+        self.columns = torch.tensor([start for _, start, _ in parts], dtype=torch.int64)
+        self.widths = torch.tensor([width for _, _, width in parts], dtype=torch.int64)
+        self.count = len(parts)
+        self.table_rows = max(row for row, _, _ in parts) + 1  # rows of the tables it reads
+        self.end = max(start + width for _, start, width in parts)  # columns of y it writes
+
+    @classmethod
+    def whole(cls, width: int) -> Outputs:
+        """One module, row 0 of the tables, onto every column of y."""
+        return cls([(0, 0, width)])
+
+
 class CpuLoRAKernel(_PerDtype):
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._functions = _bind(lib, "lora_apply", _ARGTYPES, ctypes.c_int)
@@ -136,20 +158,29 @@ class CpuLoRAKernel(_PerDtype):
         slots: torch.Tensor,
         rank: int,
         scales: torch.Tensor,
+        outputs: Outputs | None = None,
     ) -> None:
-        """y[t] += scales[s] * (x[t] @ A_s^T) @ B_s for every row t of x and y (2-D, unit column
-        stride), s = slots[t], with run s's rows at a_rows[s*rank : (s+1)*rank] and b_rows[...]
-        in the flat pool (int64, contiguous, as is slots); scales float32 [runs]. Same dtype for
-        x, y and pool."""
+        """y[t, cols_i] += scales[s] * (x[t] @ A_s,i^T) @ B_s,i for every row t of x and y (2-D,
+        unit column stride) and every output i (default: one module onto all of y), s =
+        slots[t], with run s's rows of module row m at a_rows[m, s*rank : (s+1)*rank] and
+        b_rows[...] in the flat pool (int64, rows contiguous, as is slots; a 1-D table is one
+        module); scales float32 [runs]. Same dtype for x, y and pool."""
         n, fin = x.shape
         if n == 0:
             return
-        if x.stride(1) != 1 or y.stride(1) != 1:
-            raise ValueError("x and y need unit column stride")
+        if x.stride(1) != 1 or y.stride(1) != 1 or a_rows.stride(-1) != 1:
+            raise ValueError("x, y and the row tables need unit column stride")
+        outputs = outputs or Outputs.whole(y.shape[1])
+        tables = a_rows.shape[0] if a_rows.dim() == 2 else 1
+        if outputs.end > y.shape[1] or outputs.table_rows > tables:
+            raise ValueError("the outputs do not fit y or the row tables")
+        if a_rows.shape != b_rows.shape or a_rows.stride() != b_rows.stride():
+            raise ValueError("a_rows and b_rows differ in layout")
         status = self._functions[pool.dtype](
-            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), n, fin, y.shape[1],
-            pool.data_ptr(), a_rows.data_ptr(), b_rows.data_ptr(), slots.data_ptr(), rank,
-            scales.data_ptr(), torch.get_num_threads(),
+            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), n, fin, outputs.count,
+            outputs.rows.data_ptr(), outputs.columns.data_ptr(), outputs.widths.data_ptr(),
+            pool.data_ptr(), a_rows.data_ptr(), b_rows.data_ptr(), a_rows.stride(0),
+            slots.data_ptr(), rank, scales.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")

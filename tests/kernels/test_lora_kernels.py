@@ -222,6 +222,46 @@ def test_native_cpu_kernel_writes_a_column_slice_of_a_wider_output():
     assert torch.equal(fused[:, :70], ref[:, :70]) and torch.equal(fused[:, 330:], ref[:, 330:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtype, kernel_build):
+    """As the engine calls it for q, k and v: one input, the modules' outputs side by side in one
+    row, module rows picked from the [modules, runs * rank] tables; k left out (an adapter that
+    does not target it) keeps its columns as they were."""
+    rng, rank, fin, widths = random.Random(9), 8, 600, (520, 40, 40)
+    pools = [scattered_pool(rng, [rank, rank], fin, width, dtype) for width in widths]
+    shift = [0, pools[0][0].numel(), pools[0][0].numel() + pools[1][0].numel()]
+    pool = torch.cat([p for p, _, _ in pools])
+    a_tables = [a + at for (_, a, _), at in zip(pools, shift, strict=True)]  # [adapters, rank]
+    b_tables = [b + at for (_, _, b), at in zip(pools, shift, strict=True)]
+    run_adapter = [1, 0, 1, 1]  # four runs; the last is a prefill span of three tokens
+    slots = torch.tensor([0, 1, 2, 3, 3, 3])
+    a_rows = torch.stack([t[run_adapter].flatten() for t in a_tables])  # [modules, runs * rank]
+    b_rows = torch.stack([t[run_adapter].flatten() for t in b_tables])
+    scales = torch.tensor([1.5, 0.5, 1.5, 1.5])
+    torch.manual_seed(9)
+    x = torch.randn(6, fin).to(dtype)
+    y = torch.randn(6, sum(widths)).to(dtype)
+    columns = [0, widths[0], widths[0] + widths[1]]
+    got = y.clone()
+    outputs = cpu_lora.Outputs([(0, columns[0], widths[0]), (2, columns[2], widths[2])])
+    kernel_build.apply(x, got, pool, a_rows, b_rows, slots, rank, scales, outputs)
+    want = y.float().clone()
+    for m in (0, 2):
+        for t, s in enumerate(slots.tolist()):
+            a = pool[a_rows[m, s * rank : (s + 1) * rank, None] + torch.arange(fin)].float()
+            b = pool[b_rows[m, s * rank : (s + 1) * rank, None] + torch.arange(widths[m])].float()
+            delta = scales[s] * (x[t].float() @ a.T) @ b
+            want[t, columns[m] : columns[m] + widths[m]] += delta
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol * 4, rtol=tol)
+    k_columns = slice(columns[1], columns[2])
+    assert torch.equal(got[:, k_columns], y[:, k_columns])
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel_build.apply(x, got[:, :500], pool, a_rows, b_rows, slots, rank, scales, outputs)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel_build.apply(x, got, pool, a_rows[:2], b_rows[:2], slots, rank, scales, outputs)
+
+
 @pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
 def test_without_a_working_compiler_the_cpu_falls_back_to_the_torch_path(
     compiler, monkeypatch, tmp_path
@@ -266,10 +306,17 @@ def attention_build(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 80)])
-def test_decode_attention_in_place_matches_torch(attention_build, dtype, heads, kv_heads, dim):
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,sharpness",
+    [(9, 3, 64, 1.0), (9, 3, 64, 12.0), (4, 4, 32, 1.0), (8, 1, 80, 1.0), (4, 2, 128, 4.0)],
+)
+def test_decode_attention_in_place_matches_torch(
+    attention_build, dtype, heads, kv_heads, dim, sharpness
+):
     """Contexts of 1 token, a page and a token either side of a page, long ones; pages scattered
-    through the pool; grouped-query heads; against torch's attention on the gathered keys."""
+    through the pool; grouped-query heads; heads 64 wide (the AVX2 float32 path: one or two
+    blocks of 64) and not; softmaxes flat and sharp (scores spread over tens, where the
+    vectorized exp is pressed hardest); against torch's attention on the gathered keys."""
     generator = torch.Generator().manual_seed(heads * dim)
     num_pages, page_size, layers = 64, 16, 3
     # layer 1 of a pool holding 3 layers a page, as the engine's KV cache views it
@@ -279,7 +326,7 @@ def test_decode_attention_in_place_matches_torch(attention_build, dtype, heads, 
     max_pages = -(-int(lens.max()) // page_size)
     order = torch.randperm(num_pages, generator=generator)
     tables = torch.stack([order[i : i + max_pages] for i in range(len(lens))]).contiguous()
-    q = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    q = (torch.randn(len(lens), heads, dim, generator=generator) * sharpness).to(dtype)
     scale = dim**-0.5
 
     out = attention_build.decode(q, kv, tables, lens, scale)

@@ -18,6 +18,7 @@ Two ways to apply them, with the same result:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,9 @@ from loraplex.kernels.lora import (
 )
 
 TokenRun = tuple[int, int, ResidentAdapter]  # (start, end, adapter)
+# the modules whose outputs are side by side in one projection's output (q, k, v; gate, up), as
+# (module, first column, width); they share an input
+Modules = tuple[tuple[str, int, int], ...]
 # torch path: decode tokens of one adapter at least this many are applied in place from the
 # adapter's pages, once for all of them; fewer are gathered with the other decode tokens
 # (benchmarks/lora_floor.py)
@@ -67,12 +71,22 @@ def build_lora_batch(
     pool: torch.Tensor,
     workspace: Workspace,
 ) -> TorchLoRA | KernelLoRA | None:
+    """The step's LoRA metadata; the previous step's when its tokens had the same adapters in the
+    same order (steady decoding), which saves stacking every adapter's row offsets again."""
     if all(adapter is None for adapter in token_adapters):
         return None
+    key = (backend, num_decodes, [id(adapter) for adapter in token_adapters])
+    if workspace.last_lora is not None and workspace.last_lora[0] == key:
+        return workspace.last_lora[1]
     if backend in ("torch", "native"):
         kernel = cpu_lora.load() if backend == "native" else None
-        return TorchLoRA(token_adapters, num_decodes, pool, workspace, kernel)
-    return KernelLoRA(token_adapters, pool, use_triton=backend == "triton")
+        lora = TorchLoRA(token_adapters, num_decodes, pool, workspace, kernel)
+    else:
+        lora = KernelLoRA(token_adapters, pool, use_triton=backend == "triton")
+    # holding the adapters keeps their ids theirs while the key names them; a resident adapter's
+    # rows never move, and one a running sequence uses is never unloaded
+    workspace.last_lora = (key, lora, token_adapters)
+    return lora
 
 
 @dataclass(frozen=True)
@@ -138,29 +152,35 @@ class TorchLoRA:
                 self.spans.append((start, end, adapter))
         self.groups = [RunGroup.of(g) for g in _split_by_shape(grouped)]
 
-    def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        key, m = (layer, module), MODULE_INDEX[module]
+    def add(self, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor) -> None:
         for g in self.groups:
-            if key not in g.targets:
+            outputs = _kernel_outputs(g.targets, layer, modules)
+            if outputs is None:
                 continue
             if self.kernel is not None and g.rank <= cpu_lora.MAX_RANK:
                 rows = slice(g.start, g.end)
-                a_rows, b_rows = g.a_rows[layer, m], g.b_rows[layer, m]
                 self.kernel.apply(
-                    x[rows], y[rows], self.pool, a_rows, b_rows, g.slots, g.rank, g.scales
-                )
+                    x[rows], y[rows], self.pool, g.a_rows[layer], g.b_rows[layer], g.slots,
+                    g.rank, g.scales, outputs,
+                )  # fmt: skip
                 continue
             n = g.end - g.start  # one token per run here
-            a = self._gather("lora_a", g.a_rows[layer, m], x.shape[1]).view(n, g.rank, -1)
-            v = torch.bmm(x[g.start : g.end].unsqueeze(1), a.transpose(1, 2))
-            v.mul_(g.scales.view(-1, 1, 1))
-            b = self._gather("lora_b", g.b_rows[layer, m], y.shape[1]).view(n, g.rank, -1)
-            y[g.start : g.end].add_(torch.bmm(v, b).squeeze(1))
+            for module, first, width in modules:
+                if (layer, module) not in g.targets:
+                    continue
+                m = MODULE_INDEX[module]
+                a = self._gather("lora_a", g.a_rows[layer, m], x.shape[1]).view(n, g.rank, -1)
+                v = torch.bmm(x[g.start : g.end].unsqueeze(1), a.transpose(1, 2))
+                v.mul_(g.scales.view(-1, 1, 1))
+                b = self._gather("lora_b", g.b_rows[layer, m], width).view(n, g.rank, -1)
+                y[g.start : g.end, first : first + width].add_(torch.bmm(v, b).squeeze(1))
         for start, end, adapter in self.spans:
-            if key not in adapter.targets:
-                continue
-            v = x[start:end] @ adapter.a_matrix(layer, module).T  # [len, rank]
-            y[start:end].addmm_(v, adapter.b_matrix(layer, module), alpha=adapter.scale)
+            for module, first, width in modules:
+                if (layer, module) not in adapter.targets:
+                    continue
+                v = x[start:end] @ adapter.a_matrix(layer, module).T  # [len, rank]
+                out = y[start:end, first : first + width]
+                out.addmm_(v, adapter.b_matrix(layer, module), alpha=adapter.scale)
 
     def _gather(self, name: str, rows: torch.Tensor, width: int) -> torch.Tensor:
         """[len(rows), width]: pool rows starting at the given offsets, in a reused buffer."""
@@ -171,6 +191,21 @@ class TorchLoRA:
             self._windows[width] = window
         out = self.workspace.take(name, (rows.shape[0], width), self.pool.dtype)
         return torch.index_select(window, 0, rows, out=out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kernel_outputs(
+    targets: frozenset[tuple[int, str]], layer: int, modules: Modules
+) -> cpu_lora.Outputs | None:
+    """Which of `modules` an adapter with these targets changes in `layer`, as the native
+    kernel takes them (rows of the group's [num_modules, ...] offset tables); None if none.
+    Cached: the same few shapes come back every layer of every step."""
+    parts = [
+        (MODULE_INDEX[module], first, width)
+        for module, first, width in modules
+        if (layer, module) in targets
+    ]
+    return cpu_lora.Outputs(parts) if parts else None
 
 
 def _split_at(runs: list[TokenRun], boundary: int) -> list[TokenRun]:
@@ -241,10 +276,12 @@ class KernelLoRA:
             t.to(device) for t in (self.a_offsets, self.b_offsets, self.ranks)
         )
 
-    def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        m = MODULE_INDEX[module]
-        if not self.active or not self.active[layer][m]:
-            return
-        ranks = self.ranks[layer, m]
-        v = self.shrink(x, self.pool, self.a_offsets[layer, m], ranks, self.segments)
-        self.expand(y, v, self.pool, self.b_offsets[layer, m], ranks, self.scales, self.segments)
+    def add(self, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor) -> None:
+        for module, first, width in modules:
+            m = MODULE_INDEX[module]
+            if not self.active or not self.active[layer][m]:
+                continue
+            ranks, b_offsets = self.ranks[layer, m], self.b_offsets[layer, m]
+            v = self.shrink(x, self.pool, self.a_offsets[layer, m], ranks, self.segments)
+            out = y[:, first : first + width]
+            self.expand(out, v, self.pool, b_offsets, ranks, self.scales, self.segments)

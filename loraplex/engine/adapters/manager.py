@@ -8,6 +8,7 @@ only when the pool needs their pages.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import time
 from contextlib import contextmanager
@@ -21,6 +22,11 @@ from loraplex.engine.adapters.peft_format import MODULES, LoRAWeights
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.errors import AdapterError, ErrorCode
 from loraplex.engine.pool import PagePool
+
+# one object per distinct set of (layer, module) targets, shared by the adapters that have it:
+# the LoRA path looks its per-layer call plans up by targets every layer of every step, and an
+# identical key is found without comparing two sets of a few hundred pairs
+_TARGET_SETS: dict[frozenset[tuple[int, str]], frozenset[tuple[int, str]]] = {}
 
 
 @dataclass(eq=False)
@@ -48,10 +54,14 @@ class ResidentAdapter:
     last_used: int = 0
 
     def __post_init__(self) -> None:
-        self.targets = frozenset(self.a_chunks)  # the (layer, module) pairs it changes
+        targets = frozenset(self.a_chunks)  # the (layer, module) pairs it changes
+        self.targets = _TARGET_SETS.setdefault(targets, targets)
         # orders adapters of equal shape next to each other in a step's batch; the same order in
-        # every process (no hash() of strings, which Python salts per process)
-        self.batch_order = (self.rank, tuple(sorted(self.targets)), self.content_hash)
+        # every process (no hash() of strings, which Python salts per process). The targets go
+        # in as a digest: the step sorts its sequences by this every step, and comparing two
+        # equal sets of a few hundred pairs cost ~10 us a comparison (1.6 ms a 32-sequence step)
+        shape = hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:16]
+        self.batch_order = (self.rank, shape, self.content_hash)
 
     @property
     def pinned(self) -> bool:
