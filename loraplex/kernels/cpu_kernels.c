@@ -33,9 +33,10 @@
 #define MAX_RANK 1024
 #define MAX_MODULES 8
 
-/* float32 dot product and y += v * b. GCC compiles ISO C without fused multiply-adds and left
- * the plain loops of the attention kernel scalar on AVX2 (measured: 2-3x slower), so where the
- * target has AVX2 and FMA they are written out, two accumulators for the dot product. */
+/* float32 dot product, y += v * b and exp. GCC compiles ISO C without fused multiply-adds and
+ * left the plain loops of the attention kernel scalar on AVX2, so where the target has AVX2 and
+ * FMA they are written out, two accumulators for the dot product (with the attention changes
+ * below, its float32 decode 2.4x faster on keys in cache, 1.28x on keys in memory). */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
