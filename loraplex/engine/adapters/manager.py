@@ -25,8 +25,10 @@ from loraplex.engine.pool import PagePool
 
 # one object per distinct set of (layer, module) targets, shared by the adapters that have it:
 # the LoRA path looks its per-layer call plans up by targets every layer of every step, and an
-# identical key is found without comparing two sets of a few hundred pairs
+# identical key is found without comparing two sets of a few hundred pairs. Bounded: tenants'
+# adapters may each target other layers, and a miss only costs that comparison
 _TARGET_SETS: dict[frozenset[tuple[int, str]], frozenset[tuple[int, str]]] = {}
+_MAX_TARGET_SETS = 1024
 
 
 @dataclass(eq=False)
@@ -55,6 +57,8 @@ class ResidentAdapter:
 
     def __post_init__(self) -> None:
         targets = frozenset(self.a_chunks)  # the (layer, module) pairs it changes
+        if len(_TARGET_SETS) >= _MAX_TARGET_SETS and targets not in _TARGET_SETS:
+            _TARGET_SETS.clear()
         self.targets = _TARGET_SETS.setdefault(targets, targets)
         # orders adapters of equal shape next to each other in a step's batch; the same order in
         # every process (no hash() of strings, which Python salts per process). The targets go
