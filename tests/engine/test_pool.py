@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import random
 
 import pytest
@@ -103,4 +105,10 @@ def test_the_pool_asks_for_huge_pages_and_holds_zeros():
     assert torch.count_nonzero(pool.data) == 0
     middle = pool.data.data_ptr() + pool.data.numel() * pool.data.element_size() // 2
     assert _advised_huge(middle)
-    assert not _advised_huge(torch.zeros(65536 * 512).data_ptr() + (1 << 20))  # as torch gives
+    # memory nobody advised reads as such: a fresh anonymous mapping (not a torch tensor, which
+    # malloc may carve from heap memory an earlier, freed pool of this process had advised)
+    plain = mmap.mmap(-1, 8 << 20)
+    try:
+        assert not _advised_huge(ctypes.addressof(ctypes.c_char.from_buffer(plain)) + (4 << 20))
+    finally:
+        plain.close()
