@@ -6,14 +6,16 @@
 Workload: SmolLM2, 32 requests of 64 prompt tokens (as token ids), 64 new tokens, greedy, EOS
 ignored; 32 distinct random rank-16 adapters on all seven projections, request i on adapter i.
 Every system runs the batch after a warm-up on the base model and on the adapters (all resident
-before timing), alternated `--rounds` times (3), and reports the medians. Prints the table of
-output tokens/s, each system's adapters/base ratio, the ratios the performance targets name
-(loraplex against vLLM, against PEFT switching adapters per request), and time to first token
-and inter-token latency of the 32 requests submitted at once through AsyncEngine. vLLM runs in
-its own process and virtual environment (benchmarks/vllm_peer.py); without it the vLLM row says
-so. On a CPU without native bfloat16, where vLLM's bfloat16 is emulated too, vLLM also runs the
-base model in float32 (it refuses LoRA in float32), so that the base-speed ratio is also given
-against its fastest configuration here.
+before timing), alternated `--rounds` times (3), and reports the medians. Every timed run has
+prompts of its own (the same token ids for every system): a run repeating an earlier run's
+prompts would find their KV in the prefix cache of either engine and skip the prefill. Prints
+the table of output tokens/s, each system's adapters/base ratio, the ratios the performance
+targets name (loraplex against vLLM, against PEFT switching adapters per request), and time to
+first token and inter-token latency of the 32 requests submitted at once through AsyncEngine.
+vLLM runs in its own process and virtual environment (benchmarks/vllm_peer.py); without it the
+vLLM row says so. On a CPU without native bfloat16, where vLLM's bfloat16 is emulated too, vLLM
+also runs the base model in float32 (it refuses LoRA in float32), so that the base-speed ratio is
+also given against its fastest configuration here.
 """
 
 from __future__ import annotations
@@ -39,17 +41,30 @@ ALL_MODULES = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_loraplex(model_dir, dtype, prompts, loras, new_tokens, rounds: int) -> dict:
+def prompt_sets(prompts: list[list[int]], requests: int) -> dict:
+    """The warm-up batch, then per round a fresh batch for the base run and one for the adapters
+    run (`prompts` holds requests * (2 * rounds + 1) prompts)."""
+    batches = [prompts[i : i + requests] for i in range(0, len(prompts), requests)]
+    return {
+        "warmup": batches[0],
+        "rounds": [
+            {"base": base, "adapters": adapters}
+            for base, adapters in zip(batches[1::2], batches[2::2], strict=True)
+        ],
+    }
+
+
+def run_loraplex(model_dir, dtype, sets: dict, loras, new_tokens) -> dict:
     from loraplex import LLM
 
     llm = LLM(model=str(model_dir), dtype=dtype, max_num_batched_tokens=256)
     for lora in loras:
         llm.engine.load_adapter(lora)  # disk -> host -> pool before timing
-    run_engine(llm, prompts[:2], 4, loras[:2])  # warm up
+    run_engine(llm, sets["warmup"][:2], 4, loras[:2])  # warm up
     runs: dict[str, list[float]] = {"base": [], "adapters": []}
-    for _ in range(rounds):  # alternated, so that a machine's drift touches both alike
-        runs["base"].append(run_engine(llm, prompts, new_tokens, None))
-        runs["adapters"].append(run_engine(llm, prompts, new_tokens, loras))
+    for batch in sets["rounds"]:  # alternated, so that a machine's drift touches both alike
+        runs["base"].append(run_engine(llm, batch["base"], new_tokens, None))
+        runs["adapters"].append(run_engine(llm, batch["adapters"], new_tokens, loras))
     result = {name: statistics.median(figures) for name, figures in runs.items()}
     del llm
     gc.collect()
@@ -91,20 +106,17 @@ async def latencies(model_dir, dtype, prompts, loras, new_tokens) -> dict:
     return {"ttft": ttfts, "itl": gaps}
 
 
-def run_vllm(
-    python: Path, model_dir, prompts, adapter_dirs, new_tokens, dtype, rounds: int
-) -> dict | str:
+def run_vllm(python: Path, model_dir, sets: dict, adapter_dirs, new_tokens, dtype) -> dict | str:
     if not python.exists():
         return f"not installed ({python}; run benchmarks/vllm_peer_setup.sh)"
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(
             {
                 "model": str(model_dir),
-                "prompts": prompts,
+                **sets,
                 "adapters": [str(d) for d in adapter_dirs],
                 "new_tokens": new_tokens,
                 "dtype": dtype,
-                "rounds": rounds,
             },
             f,
         )
@@ -152,7 +164,10 @@ def main() -> None:
 
     model_dir = resolve_model(args.model)
     config = ModelConfig.from_dir(model_dir)
-    prompts = make_prompts(TokenizerWrapper(model_dir), args.requests, args.prompt_tokens)
+    count = args.requests * (2 * args.rounds + 1)
+    prompts = make_prompts(TokenizerWrapper(model_dir), count, args.prompt_tokens)
+    sets = prompt_sets(prompts, args.requests)
+    prompts = sets["warmup"]  # for the latencies and PEFT
     modules = tuple(args.modules.split(","))
     dtypes = args.dtypes.split(",")
     rows: dict[str, dict | str] = {}
@@ -164,19 +179,17 @@ def main() -> None:
         ]
         loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
         for dtype in dtypes:
-            rows[f"loraplex {dtype}"] = run_loraplex(
-                model_dir, dtype, prompts, loras, args.new_tokens, args.rounds
-            )
+            rows[f"loraplex {dtype}"] = run_loraplex(model_dir, dtype, sets, loras, args.new_tokens)
             lat[dtype] = asyncio.run(latencies(model_dir, dtype, prompts, loras, args.new_tokens))
             gc.collect()
         rows["vLLM-CPU bfloat16"] = run_vllm(
-            args.vllm_python, model_dir, prompts, dirs, args.new_tokens, "bfloat16", args.rounds
+            args.vllm_python, model_dir, sets, dirs, args.new_tokens, "bfloat16"
         )
         if not cpu_has_native_bf16():
             # bfloat16 is emulated here, which handicaps vLLM too; it refuses LoRA in float32,
             # so its float32 row is the base model only
             rows["vLLM-CPU float32"] = run_vllm(
-                args.vllm_python, model_dir, prompts, [], args.new_tokens, "float32", args.rounds
+                args.vllm_python, model_dir, sets, [], args.new_tokens, "float32"
             )
         peft = run_peft_switching(
             model_dir, dirs[: args.peft_requests], prompts[: args.peft_requests], args.new_tokens

@@ -2,10 +2,12 @@
 
     .venv-vllm/bin/python benchmarks/vllm_peer.py WORKLOAD.json
 
-WORKLOAD.json: {"model": dir, "prompts": [[token ids], ...], "adapters": [dir, ...],
-"new_tokens": n, "dtype": "bfloat16"}. Runs the prompts on the base model, then (if adapters are
-given) with prompt i on adapter i, through vLLM's offline `LLM.generate` (greedy, EOS ignored),
-and prints one JSON line: {"base": tok/s, "adapters": tok/s or null, "version": ...}.
+WORKLOAD.json: {"model": dir, "warmup": [[token ids], ...], "rounds": [{"base": [[token ids],
+...], "adapters": [...]}, ...], "adapters": [dir, ...], "new_tokens": n, "dtype": "bfloat16"}.
+After a warm-up (which also makes every adapter resident), each round runs its base prompts on
+the base model, then (if adapters are given) its adapters prompts with prompt i on adapter i,
+through vLLM's offline `LLM.generate` (greedy, EOS ignored); prints one JSON line: {"base":
+median tok/s, "adapters": median tok/s or null, "version": ...}.
 """
 
 from __future__ import annotations
@@ -28,32 +30,36 @@ def main() -> None:
 
     with open(sys.argv[1]) as f:
         work = json.load(f)
-    prompts = [{"prompt_token_ids": ids} for ids in work["prompts"]]
+
+    def as_prompts(batch: list[list[int]]) -> list[dict]:
+        return [{"prompt_token_ids": ids} for ids in batch]
+
+    warmup = as_prompts(work["warmup"])
     params = SamplingParams(temperature=0.0, max_tokens=work["new_tokens"], ignore_eos=True)
     lora = {"enable_lora": True, "max_loras": len(work["adapters"]), "max_lora_rank": 16}
     llm = LLM(
         model=work["model"],
         dtype=work.get("dtype", "bfloat16"),
-        max_num_seqs=len(prompts),
+        max_num_seqs=len(warmup),
         seed=0,
         **(lora if work["adapters"] else {}),
     )
     loras = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(work["adapters"])]
 
-    def run(lora_request) -> float:
+    def run(prompts, lora_request) -> float:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
         elapsed = time.perf_counter() - start
         return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm up
+    llm.generate(warmup[:2], params, use_tqdm=False)  # warm up
     if loras:  # an empty list: the base model only
-        llm.generate(prompts, params, lora_request=loras, use_tqdm=False)  # all resident
+        llm.generate(warmup, params, lora_request=loras, use_tqdm=False)  # all resident
     runs: dict[str, list[float]] = {"base": [], "adapters": []}
-    for _ in range(work.get("rounds", 1)):  # alternated, as loraplex's are
-        runs["base"].append(run(None))
+    for batch in work["rounds"]:  # alternated, as loraplex's are; fresh prompts each run
+        runs["base"].append(run(as_prompts(batch["base"]), None))
         if loras:
-            runs["adapters"].append(run(loras))
+            runs["adapters"].append(run(as_prompts(batch["adapters"]), loras))
     result = {name: statistics.median(v) if v else None for name, v in runs.items()}
     print("VLLM_PEER " + json.dumps({**result, "version": vllm.__version__}), flush=True)
 

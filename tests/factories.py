@@ -35,6 +35,12 @@ WORDS = (
 ).split()
 
 
+def cpu_flags() -> set[str]:
+    """The flags this CPU reports (Linux)."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        return set(next(line for line in cpuinfo if line.startswith("flags")).split())
+
+
 def sample_text(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 

@@ -111,14 +111,14 @@ def choose_attention_kernel(device: str, dtype: torch.dtype):
     return kernel if kernel is not None and kernel.supports(dtype) else None
 
 
-def choose_norm_kernel(device: str, dtype: torch.dtype):
-    """On CPU in bfloat16, RMSNorm in one native call (bit-identical to the torch ops it
-    replaces, 12 against 32 us for 32 rows of 576); None elsewhere. Not in float32: the native
-    sum adds in another order than torch's mean, and float32 stays token-identical to
-    transformers."""
+def choose_bf16_ops(device: str, dtype: torch.dtype):
+    """On CPU in bfloat16, RMSNorm and the rotary embedding with the KV write each in one native
+    call (cpu_lora.CpuBf16Ops, the same bits as torch's ops); None elsewhere. Not in float32:
+    the native norm sums in another order than torch's mean, and float32 stays token-identical
+    to transformers."""
     if device != "cpu" or dtype != torch.bfloat16:
         return None
-    return cpu_lora.load_norm()
+    return cpu_lora.load_bf16_ops()
 
 
 # Row count oneDNN tunes the packed layout for; any row count works.

@@ -16,7 +16,7 @@ from loraplex.engine.adapters.lora_batch import Modules
 from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.device import Linear, choose_norm_kernel
+from loraplex.engine.device import Linear, choose_bf16_ops
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.rope import RotaryEmbedding
@@ -67,7 +67,7 @@ class CausalLM:
         self.lm_head = Linear(weights.lm_head)
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
-        self._norm_kernel = choose_norm_kernel(device, dtype)
+        self._bf16_ops = choose_bf16_ops(device, dtype)
         # the LoRA modules on each projection's output: (module, first column, width)
         c, inter = config, config.intermediate_size
         self._qkv_modules = (
@@ -80,8 +80,8 @@ class CausalLM:
         self._down_modules = (("down_proj", 0, c.hidden_size),)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._norm_kernel is not None:
-            return self._norm_kernel.rms_norm(x, weight, self.config.rms_norm_eps)
+        if self._bf16_ops is not None:
+            return self._bf16_ops.rms_norm(x, weight, self.config.rms_norm_eps)
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
     @torch.inference_mode()
@@ -127,10 +127,16 @@ class CausalLM:
         c = self.config
         qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
         _add_lora(batch, index, self._qkv_modules, x, qkv)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = self.rope.rotate(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
-        k = self.rope.rotate(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        write_kv(kv_cache, k, v.reshape(-1, c.num_kv_heads, c.head_dim), batch)
+        if self._bf16_ops is not None:
+            q = self._bf16_ops.rotate_and_write(
+                qkv, c.num_heads, c.num_kv_heads, self.rope.cos, self.rope.sin, batch.positions,
+                kv_cache, batch.slot_pages, batch.slot_offsets,
+            )  # fmt: skip
+        else:
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            q = self.rope.rotate(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
+            k = self.rope.rotate(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            write_kv(kv_cache, k, v.reshape(-1, c.num_kv_heads, c.head_dim), batch)
         attended = paged_attention(q, kv_cache, batch, self.scale).flatten(1)
         out = layer.o(attended)
         _add_lora(batch, index, self._o_modules, attended, out)

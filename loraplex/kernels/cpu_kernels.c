@@ -1,5 +1,6 @@
-/* The CPU kernels: batched LoRA (lora_apply_*) and decode attention over the paged KV cache
- * (attend_decode_*, at the end).
+/* The CPU kernels: batched LoRA (lora_apply_*), decode attention over the paged KV cache
+ * (attend_decode_*), and, at the end, two small ops of bfloat16 models (rms_norm_bf16,
+ * rope_write_bf16).
  *
  * Batched LoRA on CPU: y[t] += scale[s] * (x[t] @ A_s^T) @ B_s for each token t of run s, every
  * adapter row read straight from the page pool, once per token (a token sorted next to tokens of
@@ -140,6 +141,13 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded); /* no branch: SIMD */
 }
 
+/* Into L2, ahead of use: the rows of the token a thread takes next (static schedule: t + 1),
+ * while it works on token t. Each token's rows lie elsewhere in the pool (its own adapter), and
+ * without the hint a thread waits on memory at every row it starts. */
+static inline void prefetch_l2(const void *p, size_t n) {
+    for (size_t at = 0; at < n; at += 64) __builtin_prefetch((const char *)p + at, 0, 2);
+}
+
 /* float32: each thread takes whole tokens, shrink into v, then expand straight into y, with no
  * barrier in between. A token's rows are streamed front to back, which the prefetcher follows. */
 int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t n,
@@ -151,25 +159,31 @@ int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < n; t++) {
         const int64_t s = slots[t];
+        const int64_t later = t + 1 < n && slots[t + 1] != s ? slots[t + 1] : -1;
         const float *xt = x + t * x_stride;
         float v[MAX_RANK];
         for (int64_t i = 0; i < modules; i++) {
             const int64_t *at = a_rows + mods[i] * mstride + s * r;
             const int64_t *bt = b_rows + mods[i] * mstride + s * r;
             float *yt = y + t * y_stride + cols[i];
-            const int64_t fout = fouts[i];
-            for (int64_t j = 0; j < r; j++) v[j] = dot_f32(xt, pool + at[j], fin) * scales[s];
-            for (int64_t j = 0; j < r; j++) axpy_f32(yt, v[j], pool + bt[j], fout);
+            const int64_t fout = fouts[i], ahead = (later - s) * r;
+            for (int64_t j = 0; j < r; j++) {
+                if (later >= 0) prefetch_l2(pool + at[ahead + j], fin * sizeof(float));
+                v[j] = dot_f32(xt, pool + at[j], fin) * scales[s];
+            }
+            for (int64_t j = 0; j < r; j++) {
+                if (later >= 0) prefetch_l2(pool + bt[ahead + j], fout * sizeof(float));
+                axpy_f32(yt, v[j], pool + bt[j], fout);
+            }
         }
     }
     return 0;
 }
 
-/* bfloat16: the same, through float32 chunks of x and y on the thread's stack. With AVX-512 the
- * inner loops are written out (a bfloat16 load widened by a shift, two accumulators for the
- * dot product); compilers do not vectorize the plain loops as well. */
-#define CHUNK 512
-
+/* bfloat16 helpers: a dot product with a float32 vector and y += v * b, for the attention
+ * passes below. With AVX-512 the inner loops are written out (a bfloat16 load widened by a
+ * shift, two accumulators for the dot product); compilers do not vectorize the plain loops as
+ * well. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
@@ -218,6 +232,136 @@ static inline void axpy_bf16(float *acc, float v, const uint16_t *b, int64_t n) 
 }
 #endif
 
+/* bfloat16 LoRA: per token and module, the r shrink products of the bfloat16 input row with the
+ * A rows, then the output row's columns 32 at a time, each held in float32 registers while the
+ * r B rows are added in, rounded once to bfloat16 and stored.
+ *
+ * With AVX-512 a vector of 32 bfloat16 is taken as its even and its odd elements, each widened
+ * to float32 by one shift or mask (the high half of a float32 is a bfloat16): no conversion
+ * instruction, and the output's even and odd sums are put back together only when stored.
+ * Where the CPU has AVX512-BF16, the shrink multiplies bfloat16 pairs directly (vdpbf16ps:
+ * exact products, float32 sums). The shrink takes four A rows at a time, sharing each load of x.
+ * While a thread works on a token it prefetches, into L2 and at the same pace, the rows of the
+ * token it takes next; without that every row of every token started with a wait on memory.
+ * Measured on a 2-core Zen 4 (30 layers, 32 tokens on 32 all-module rank-16 adapters, 298 MiB
+ * of rows a step, 33 GB/s of read bandwidth): 21.8 ms a step with the float32-chunk loops this
+ * replaces, 17.3 ms with these loops, 12.8 ms with the prefetch. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+static inline __m512 bf16_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+
+static inline __m512 bf16_odd(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline __mmask32 tail_mask32(int64_t left) {
+    return left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+}
+
+/* float32 lanes -> their bfloat16 in the high half of each lane, rounded to nearest even; a NaN
+ * made quiet and not rounded (rounding a NaN's payload could carry into its sign bit and leave
+ * -0), as f32_to_bf16 does. The low half is garbage. */
+static inline __m512i round_bf16(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x00400000));
+}
+
+/* out[j] = x . rows[j] (n elements) for j < 4 */
+static inline void shrink4_bf16(const uint16_t *x, const uint16_t *const *rows,
+                                const uint16_t *const *ahead, int64_t n, float *out) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+#if !defined(__AVX512BF16__)
+    __m512 odd[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+#endif
+    for (int64_t k = 0; k < n; k += 32) {
+        const __mmask32 m = tail_mask32(n - k);
+        const __m512i xv = _mm512_maskz_loadu_epi16(m, x + k);
+        for (int j = 0; j < 4; j++) {
+            if (ahead != NULL) __builtin_prefetch(ahead[j] + k, 0, 2);
+            const __m512i a = _mm512_maskz_loadu_epi16(m, rows[j] + k);
+#if defined(__AVX512BF16__)
+            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)xv, (__m512bh)a);
+#else
+            acc[j] = _mm512_fmadd_ps(bf16_even(xv), bf16_even(a), acc[j]);
+            odd[j] = _mm512_fmadd_ps(bf16_odd(xv), bf16_odd(a), odd[j]);
+#endif
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+#if !defined(__AVX512BF16__)
+        acc[j] = _mm512_add_ps(acc[j], odd[j]);
+#endif
+        out[j] = _mm512_reduce_add_ps(acc[j]);
+    }
+}
+
+static void shrink_bf16(const uint16_t *x, const uint16_t *pool, const int64_t *rows,
+                        const int64_t *ahead, int64_t r, int64_t n, float *v) {
+    for (int64_t j = 0; j < r; j += 4) {
+        const uint16_t *four[4], *later[4];
+        for (int i = 0; i < 4; i++) {
+            const int64_t row = j + i < r ? j + i : j; /* past r: row j again, result dropped */
+            four[i] = pool + rows[row];
+            later[i] = ahead != NULL ? pool + ahead[row] : NULL;
+        }
+        float out[4];
+        shrink4_bf16(x, four, ahead != NULL ? later : NULL, n, out);
+        for (int i = 0; i < 4 && j + i < r; i++) v[j + i] = out[i];
+    }
+}
+
+/* y[k] += sum over j of v[j] * rows[j][k] for k < n, in float32, y rounded once */
+static void expand_bf16(uint16_t *y, const float *v, const uint16_t *pool, const int64_t *rows,
+                        const int64_t *ahead, int64_t r, int64_t n) {
+    for (int64_t k = 0; k < n; k += 32) {
+        const __mmask32 m = tail_mask32(n - k);
+        const __m512i yv = _mm512_maskz_loadu_epi16(m, y + k);
+        __m512 even = bf16_even(yv), odd = bf16_odd(yv);
+        for (int64_t j = 0; j < r; j++) {
+            if (ahead != NULL) __builtin_prefetch(pool + ahead[j] + k, 0, 2);
+            const __m512i b = _mm512_maskz_loadu_epi16(m, pool + rows[j] + k);
+            const __m512 vj = _mm512_set1_ps(v[j]);
+            even = _mm512_fmadd_ps(vj, bf16_even(b), even);
+            odd = _mm512_fmadd_ps(vj, bf16_odd(b), odd);
+        }
+        const __m512i high = _mm512_and_si512(round_bf16(odd), _mm512_set1_epi32((int)0xffff0000u));
+        const __m512i packed = _mm512_or_si512(_mm512_srli_epi32(round_bf16(even), 16), high);
+        _mm512_mask_storeu_epi16(y + k, m, packed);
+    }
+}
+#else
+/* Without AVX-512: through float32 chunks of x and y on the thread's stack. */
+#define CHUNK 512
+
+static void shrink_bf16(const uint16_t *x, const uint16_t *pool, const int64_t *rows,
+                        const int64_t *ahead, int64_t r, int64_t n, float *v) {
+    (void)ahead;
+    float buf[CHUNK];
+    for (int64_t j = 0; j < r; j++) v[j] = 0.0f;
+    for (int64_t lo = 0; lo < n; lo += CHUNK) {
+        const int64_t w = n - lo < CHUNK ? n - lo : CHUNK;
+        for (int64_t k = 0; k < w; k++) buf[k] = bf16_to_f32(x[lo + k]);
+        for (int64_t j = 0; j < r; j++) v[j] += dot_bf16(buf, pool + rows[j] + lo, w);
+    }
+}
+
+static void expand_bf16(uint16_t *y, const float *v, const uint16_t *pool, const int64_t *rows,
+                        const int64_t *ahead, int64_t r, int64_t n) {
+    (void)ahead;
+    float buf[CHUNK];
+    for (int64_t lo = 0; lo < n; lo += CHUNK) {
+        const int64_t w = n - lo < CHUNK ? n - lo : CHUNK;
+        for (int64_t k = 0; k < w; k++) buf[k] = bf16_to_f32(y[lo + k]);
+        for (int64_t j = 0; j < r; j++) axpy_bf16(buf, v[j], pool + rows[j] + lo, w);
+        for (int64_t k = 0; k < w; k++) y[lo + k] = f32_to_bf16(buf[k]);
+    }
+}
+#endif
+
 int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
                     int64_t n, int64_t fin, int64_t modules, const int64_t *mods,
                     const int64_t *cols, const int64_t *fouts, const uint16_t *pool,
@@ -227,26 +371,16 @@ int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < n; t++) {
         const int64_t s = slots[t];
-        float v[MAX_RANK], buf[CHUNK];
+        /* the rows of the thread's next token (static schedule: the next t), unless the same */
+        const int64_t later = t + 1 < n && slots[t + 1] != s ? slots[t + 1] : -1;
+        float v[MAX_RANK];
         for (int64_t i = 0; i < modules; i++) {
-            const int64_t *at = a_rows + mods[i] * mstride + s * r;
-            const int64_t *bt = b_rows + mods[i] * mstride + s * r;
-            const int64_t fout = fouts[i];
-            for (int64_t j = 0; j < r; j++) v[j] = 0.0f;
-            for (int64_t lo = 0; lo < fin; lo += CHUNK) {
-                const int64_t w = fin - lo < CHUNK ? fin - lo : CHUNK;
-                const uint16_t *xt = x + t * x_stride + lo;
-                for (int64_t k = 0; k < w; k++) buf[k] = bf16_to_f32(xt[k]);
-                for (int64_t j = 0; j < r; j++) v[j] += dot_bf16(buf, pool + at[j] + lo, w);
-            }
+            const int64_t at = mods[i] * mstride + s * r, ahead = mods[i] * mstride + later * r;
+            shrink_bf16(x + t * x_stride, pool, a_rows + at, later < 0 ? NULL : a_rows + ahead, r,
+                        fin, v);
             for (int64_t j = 0; j < r; j++) v[j] *= scales[s];
-            for (int64_t lo = 0; lo < fout; lo += CHUNK) {
-                const int64_t w = fout - lo < CHUNK ? fout - lo : CHUNK;
-                uint16_t *yt = y + t * y_stride + cols[i] + lo;
-                for (int64_t k = 0; k < w; k++) buf[k] = bf16_to_f32(yt[k]);
-                for (int64_t j = 0; j < r; j++) axpy_bf16(buf, v[j], pool + bt[j] + lo, w);
-                for (int64_t k = 0; k < w; k++) yt[k] = f32_to_bf16(buf[k]);
-            }
+            expand_bf16(y + t * y_stride + cols[i], v, pool, b_rows + at,
+                        later < 0 ? NULL : b_rows + ahead, r, fouts[i]);
         }
     }
     return 0;
@@ -262,15 +396,18 @@ int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_
  *   tables   [n, table_stride] int64              page ids, in order
  *   lens     [n] int64                              context length (>= 1) of each sequence
  *
- * Work is split over (sequence, kv head): the heads / kv_heads query heads of a group share each
- * key and value read. Returns 1 (nothing done) past MAX_GROUP query heads a group or MAX_DIM. */
+ * Work is split over sequences, each taking its kv heads in turn: the heads / kv_heads query
+ * heads of a group share each key and value read, and a sequence's pages are brought into cache
+ * once for all its kv heads. Returns 1 (nothing done) past MAX_GROUP query heads a group or
+ * MAX_DIM. */
 #define MAX_GROUP 16
 #define MAX_DIM 512
 
 /* Keys and values are read a row (one token, one kv head) at a time from pages scattered in
  * memory; without a hint the loads of a cold layer wait on memory one row after another, so
- * each row is prefetched AHEAD tokens before it is read. */
-#define AHEAD 6
+ * each row is prefetched AHEAD tokens before it is read (in bfloat16 on Zen 4, 24 tokens ahead
+ * measured 1.1x faster than 6; float32 the same). */
+#define AHEAD 24
 
 static inline void prefetch_bytes(const void *p, size_t n) {
     for (size_t at = 0; at < n; at += 64) __builtin_prefetch((const char *)p + at);
@@ -281,10 +418,10 @@ static inline void prefetch_bytes(const void *p, size_t n) {
  * t of scores[h * len + t] value_t (a value row lies to_value elements after its key row). */
 #define DEFINE_PASSES(SCORES, VALUES, T, DOT, AXPY)                                             \
     static void SCORES(const float *qf, const T *const *keys, int64_t len, int64_t g,         \
-                       int64_t dim, float *scores, float *top) {                              \
+                       int64_t dim, size_t ahead, float *scores, float *top) {                \
         for (int64_t h = 0; h < g; h++) top[h] = -INFINITY;                                   \
         for (int64_t t = 0; t < len; t++) {                                                   \
-            if (t + AHEAD < len) prefetch_bytes(keys[t + AHEAD], dim * sizeof(T));            \
+            if (t + AHEAD < len) prefetch_bytes(keys[t + AHEAD], ahead);                      \
             for (int64_t h = 0; h < g; h++) {                                                 \
                 const float s = DOT(qf + h * dim, keys[t], dim);                              \
                 scores[h * len + t] = s;                                                      \
@@ -303,7 +440,13 @@ static inline void prefetch_bytes(const void *p, size_t n) {
     }
 
 DEFINE_PASSES(scores_f32_any, values_f32_any, float, dot_f32, axpy_f32)
-DEFINE_PASSES(scores_bf16, values_bf16, uint16_t, dot_bf16, axpy_bf16)
+DEFINE_PASSES(scores_bf16_any, values_bf16_any, uint16_t, dot_bf16, axpy_bf16)
+
+static inline float max_of(const float *x, int64_t n) {
+    float top = -INFINITY;
+    for (int64_t i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
+    return top;
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* float32 heads a multiple of 64 wide, with AVX2: head by head, 64 elements at a time, the
@@ -311,9 +454,9 @@ DEFINE_PASSES(scores_bf16, values_bf16, uint16_t, dot_bf16, axpy_bf16)
  * keys or values stream past; the per-token loop above keeps its sums in memory, which on AVX2
  * measured 1.6x slower. */
 static void scores_f32(const float *qf, const float *const *keys, int64_t len, int64_t g,
-                       int64_t dim, float *scores, float *top) {
+                       int64_t dim, size_t ahead, float *scores, float *top) {
     if (dim % 64 != 0) {
-        scores_f32_any(qf, keys, len, g, dim, scores, top);
+        scores_f32_any(qf, keys, len, g, dim, ahead, scores, top);
         return;
     }
     for (int64_t h = 0; h < g; h++) {
@@ -323,7 +466,7 @@ static void scores_f32(const float *qf, const float *const *keys, int64_t len, i
             for (int i = 0; i < 8; i++) q[i] = _mm256_loadu_ps(qf + h * dim + off + 8 * i);
             for (int64_t t = 0; t < len; t++) {
                 if (h == 0 && off == 0 && t + AHEAD < len)
-                    prefetch_bytes(keys[t + AHEAD], dim * sizeof(float));
+                    prefetch_bytes(keys[t + AHEAD], ahead);
                 const float *k = keys[t] + off;
                 __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
                 __m256 b = _mm256_mul_ps(q[1], _mm256_loadu_ps(k + 8));
@@ -335,8 +478,7 @@ static void scores_f32(const float *qf, const float *const *keys, int64_t len, i
                 sh[t] = off == 0 ? part : sh[t] + part;
             }
         }
-        top[h] = -INFINITY;
-        for (int64_t t = 0; t < len; t++) top[h] = sh[t] > top[h] ? sh[t] : top[h];
+        top[h] = max_of(sh, len);
     }
 }
 
@@ -367,6 +509,112 @@ static void values_f32(float *acc, const float *scores, const float *const *keys
 #define values_f32 values_f32_any
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* bfloat16 heads a multiple of 64 wide, with AVX-512: 64 elements at a time, G query heads
+ * (up to 4) at a time, so that each key or value row is loaded once for the G heads. A row's 64
+ * bfloat16 are two vectors, each taken as its even and its odd elements widened to float32 (one
+ * shift or mask, as in the LoRA kernel); the query's elements (scores) and the sums (values) are
+ * held in registers in the same even/odd order, put back in order once per block. The per-token
+ * loops above, sixteen bfloat16 widened by a conversion at a time, took 1.4x as long (Zen 4,
+ * 30 layers of 32 sequences of 91 tokens: 7.9 against 11.0 ms). */
+#define DEFINE_BF16_PASSES(G)                                                                   \
+    static void scores_bf16_##G(const float *qf, const uint16_t *const *keys, int64_t len,     \
+                                int64_t dim, size_t ahead, int64_t off, float *scores) {        \
+        __m512 q[G][4];                                                                        \
+        for (int h = 0; h < G; h++) {                                                          \
+            float lanes[4][16];                                                                \
+            for (int i = 0; i < 32; i++) {                                                     \
+                lanes[2 * (i / 16)][i % 16] = qf[h * dim + off + 2 * i];                       \
+                lanes[2 * (i / 16) + 1][i % 16] = qf[h * dim + off + 2 * i + 1];               \
+            }                                                                                  \
+            for (int i = 0; i < 4; i++) q[h][i] = _mm512_loadu_ps(lanes[i]);                   \
+        }                                                                                      \
+        for (int64_t t = 0; t < len; t++) {                                                    \
+            if (off == 0 && t + AHEAD < len) prefetch_bytes(keys[t + AHEAD], ahead);           \
+            const __m512i k0 = _mm512_loadu_si512(keys[t] + off);                              \
+            const __m512i k1 = _mm512_loadu_si512(keys[t] + off + 32);                         \
+            const __m512 k[4] = {bf16_even(k0), bf16_odd(k0), bf16_even(k1), bf16_odd(k1)};    \
+            for (int h = 0; h < G; h++) {                                                      \
+                __m512 a = _mm512_mul_ps(q[h][0], k[0]), b = _mm512_mul_ps(q[h][1], k[1]);     \
+                a = _mm512_fmadd_ps(q[h][2], k[2], a);                                         \
+                b = _mm512_fmadd_ps(q[h][3], k[3], b);                                         \
+                const float part = _mm512_reduce_add_ps(_mm512_add_ps(a, b));                  \
+                scores[h * len + t] = off == 0 ? part : scores[h * len + t] + part;            \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    static void values_bf16_##G(float *acc, const float *scores, const uint16_t *const *keys,  \
+                                int64_t to_value, int64_t len, int64_t dim, int64_t off) {     \
+        __m512 sum[G][4];                                                                      \
+        for (int h = 0; h < G; h++)                                                            \
+            for (int i = 0; i < 4; i++) sum[h][i] = _mm512_setzero_ps();                       \
+        for (int64_t t = 0; t < len; t++) {                                                    \
+            if (off == 0 && t + AHEAD < len) prefetch_bytes(keys[t + AHEAD] + to_value, dim * 2); \
+            const uint16_t *value = keys[t] + to_value + off;                                  \
+            const __m512i v0 = _mm512_loadu_si512(value), v1 = _mm512_loadu_si512(value + 32);  \
+            const __m512 v[4] = {bf16_even(v0), bf16_odd(v0), bf16_even(v1), bf16_odd(v1)};    \
+            for (int h = 0; h < G; h++) {                                                      \
+                const __m512 weight = _mm512_set1_ps(scores[h * len + t]);                     \
+                for (int i = 0; i < 4; i++) sum[h][i] = _mm512_fmadd_ps(weight, v[i], sum[h][i]); \
+            }                                                                                  \
+        }                                                                                      \
+        for (int h = 0; h < G; h++) {                                                          \
+            float lanes[4][16];                                                                \
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(lanes[i], sum[h][i]);                 \
+            for (int i = 0; i < 32; i++) {                                                     \
+                acc[h * dim + off + 2 * i] = lanes[2 * (i / 16)][i % 16];                      \
+                acc[h * dim + off + 2 * i + 1] = lanes[2 * (i / 16) + 1][i % 16];              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+DEFINE_BF16_PASSES(1)
+DEFINE_BF16_PASSES(2)
+DEFINE_BF16_PASSES(3)
+DEFINE_BF16_PASSES(4)
+
+/* The passes by the number of heads they take, less one */
+typedef void (*ScoresPass)(const float *, const uint16_t *const *, int64_t, int64_t, size_t,
+                           int64_t, float *);
+typedef void (*ValuesPass)(float *, const float *, const uint16_t *const *, int64_t, int64_t,
+                           int64_t, int64_t);
+static const ScoresPass SCORES_BF16[4] = {scores_bf16_1, scores_bf16_2, scores_bf16_3,
+                                          scores_bf16_4};
+static const ValuesPass VALUES_BF16[4] = {values_bf16_1, values_bf16_2, values_bf16_3,
+                                          values_bf16_4};
+
+/* Heads in chunks of up to four, each 64-wide block of the row in turn. */
+static void scores_bf16(const float *qf, const uint16_t *const *keys, int64_t len, int64_t g,
+                        int64_t dim, size_t ahead, float *scores, float *top) {
+    if (dim % 64 != 0) {
+        scores_bf16_any(qf, keys, len, g, dim, ahead, scores, top);
+        return;
+    }
+    for (int64_t h = 0; h < g; h += 4) {
+        const ScoresPass pass = SCORES_BF16[(g - h < 4 ? g - h : 4) - 1];
+        for (int64_t off = 0; off < dim; off += 64)
+            pass(qf + h * dim, keys, len, dim, ahead, off, scores + h * len);
+    }
+    for (int64_t h = 0; h < g; h++) top[h] = max_of(scores + h * len, len);
+}
+
+static void values_bf16(float *acc, const float *scores, const uint16_t *const *keys,
+                        int64_t to_value, int64_t len, int64_t g, int64_t dim) {
+    if (dim % 64 != 0) {
+        values_bf16_any(acc, scores, keys, to_value, len, g, dim);
+        return;
+    }
+    for (int64_t h = 0; h < g; h += 4) {
+        const ValuesPass pass = VALUES_BF16[(g - h < 4 ? g - h : 4) - 1];
+        for (int64_t off = 0; off < dim; off += 64)
+            pass(acc + h * dim, scores + h * len, keys, to_value, len, dim, off);
+    }
+}
+#else
+#define scores_bf16 scores_bf16_any
+#define values_bf16 values_bf16_any
+#endif
+
 /* One (sequence, kv head): qf [g, dim] float32, already scaled, in; acc [g, dim] float32 out.
  * The key rows' addresses are listed first, page by page (a division per token to find its page
  * cost more than the dot products); a token's value row follows its key row kv_heads * dim
@@ -386,7 +634,10 @@ static void values_f32(float *acc, const float *scores, const float *const *keys
             for (int64_t slot = 0; slot < page_size && t < len; slot++) keys[t++] = page + slot * row; \
         }                                                                                     \
         float top[MAX_GROUP], total[MAX_GROUP];                                               \
-        SCORES(qf, keys, len, g, dim, scores, top);                                           \
+        /* the first kv head's pass brings in whole token rows, every kv head's keys and values \
+         * (one stretch of the page), which the other passes then find in cache */            \
+        const size_t ahead = (kvh == 0 ? (size_t)row : (size_t)dim) * sizeof(T);              \
+        SCORES(qf, keys, len, g, dim, ahead, scores, top);                                    \
         for (int64_t h = 0; h < g; h++) total[h] = exp_shifted(scores + h * len, len, top[h]); \
         VALUES(acc, scores, keys, kv_heads * dim, len, g, dim);                               \
         for (int64_t h = 0; h < g; h++)                                                       \
@@ -400,8 +651,9 @@ DEFINE_ATTEND_GROUP(attend_group_bf16, uint16_t, scores_bf16, values_bf16)
 
 static inline float f32_identity(float v) { return v; }
 
-/* The entry point for one storage type: each (sequence, kv head) on its own, the group's
- * queries widened and scaled into float32, the result rounded back. */
+/* The entry point for one storage type: each sequence on its own, its kv heads in turn (each
+ * kv head on its own when there are few sequences), each group's queries widened and scaled
+ * into float32, the result rounded back. */
 #define DEFINE_ATTEND_DECODE(NAME, T, GROUP, TO_F32, FROM_F32)                                  \
     int NAME(const T *q, T *out, const T *kv, int64_t page_stride, const int64_t *tables,     \
              int64_t table_stride, const int64_t *lens, int64_t n, int64_t heads,              \
@@ -409,15 +661,19 @@ static inline float f32_identity(float v) { return v; }
         const int64_t g = heads / kv_heads;                                                   \
         if (g > MAX_GROUP || dim > MAX_DIM || g * kv_heads != heads) return 1;                \
         int failed = 0;                                                                       \
+        /* fewer sequences than two a thread: items of one kv head, to keep every thread busy */ \
+        const int64_t split = n < 2 * num_threads ? kv_heads : 1;                             \
         _Pragma("omp parallel for num_threads(num_threads) schedule(dynamic, 1) reduction(| : failed)") \
-        for (int64_t item = 0; item < n * kv_heads; item++) {                                 \
-            const int64_t b = item / kv_heads, kvh = item % kv_heads;                         \
-            const int64_t first = (b * heads + kvh * g) * dim; /* the group's first element */ \
-            float qf[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM];                          \
-            for (int64_t k = 0; k < g * dim; k++) qf[k] = TO_F32(q[first + k]) * scale;       \
-            failed |= GROUP(qf, acc, kv, tables + b * table_stride, lens[b], g, kv_heads, kvh, \
-                            dim, page_size, page_stride);                                     \
-            for (int64_t k = 0; k < g * dim; k++) out[first + k] = FROM_F32(acc[k]);          \
+        for (int64_t item = 0; item < n * split; item++) {                                    \
+            const int64_t b = item / split, part = kv_heads / split;                          \
+            for (int64_t kvh = item % split * part; kvh < (item % split + 1) * part; kvh++) { \
+                const int64_t first = (b * heads + kvh * g) * dim; /* the group's first */    \
+                float qf[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM];                      \
+                for (int64_t k = 0; k < g * dim; k++) qf[k] = TO_F32(q[first + k]) * scale;   \
+                failed |= GROUP(qf, acc, kv, tables + b * table_stride, lens[b], g, kv_heads, \
+                                kvh, dim, page_size, page_stride);                            \
+                for (int64_t k = 0; k < g * dim; k++) out[first + k] = FROM_F32(acc[k]);      \
+            }                                                                                 \
         }                                                                                     \
         return failed ? 2 : 0;                                                                \
     }
@@ -447,4 +703,46 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t 
             oi[k] = f32_to_bf16(bf16_to_f32(w[k]) * normed);
         }
     }
+}
+
+/* Rotary embedding and the KV write of bfloat16 tokens, in one pass instead of torch's dozen
+ * small ops a layer. For each token t, from its fused row qkv[t] = [q heads | k heads | v heads]:
+ * the q and k heads rotated by the angles of position positions[t] (rotate-half form: out =
+ * x * cos + rotate_half(x) * sin, each product and the sum rounded to bfloat16 as torch's
+ * bfloat16 ops round them, so the result is the same bits), q into q_out [n, heads, dim]; the
+ * rotated k and the v heads into the token's slot of the layer's paged cache (as in
+ * attend_decode: [pages, page_size, 2, kv_heads, dim], pages page_stride apart).
+ *   cos, sin  [max_positions, dim] bfloat16
+ * -> 0, or 1 (nothing done) if a position is past max_positions. */
+static inline void rope_head_bf16(const uint16_t *x, const uint16_t *c, const uint16_t *s,
+                                  int64_t dim, uint16_t *out) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < dim; i++) {
+        const float rotated = i < half ? -bf16_to_f32(x[i + half]) : bf16_to_f32(x[i - half]);
+        const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));
+        const float b = bf16_to_f32(f32_to_bf16(rotated * bf16_to_f32(s[i])));
+        out[i] = f32_to_bf16(a + b);
+    }
+}
+
+int rope_write_bf16(const uint16_t *qkv, int64_t qkv_stride, int64_t n, int64_t heads,
+                    int64_t kv_heads, int64_t dim, const uint16_t *cos, const uint16_t *sin,
+                    int64_t max_positions, const int64_t *positions, uint16_t *q_out, uint16_t *kv,
+                    int64_t page_stride, const int64_t *slot_pages, const int64_t *slot_offsets,
+                    int num_threads) {
+    for (int64_t t = 0; t < n; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return 1;
+    const int64_t kv_width = kv_heads * dim;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 64)
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *row = qkv + t * qkv_stride;
+        const uint16_t *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;
+        uint16_t *slot = kv + slot_pages[t] * page_stride + slot_offsets[t] * 2 * kv_width;
+        for (int64_t h = 0; h < heads; h++)
+            rope_head_bf16(row + h * dim, c, s, dim, q_out + (t * heads + h) * dim);
+        for (int64_t h = 0; h < kv_heads; h++)
+            rope_head_bf16(row + (heads + h) * dim, c, s, dim, slot + h * dim);
+        memcpy(slot + kv_width, row + (heads + kv_heads) * dim, (size_t)kv_width * sizeof(uint16_t));
+    }
+    return 0;
 }

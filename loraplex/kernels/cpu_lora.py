@@ -1,7 +1,7 @@
 """The CPU kernels (cpu_kernels.c): built once per machine with its own C compiler, loaded with
 ctypes. The LoRA kernel is called once per (layer, projection input, group of runs): q, k and v
 in one call, gate and up in one; the decode attention kernel (`CpuAttentionKernel`) once per
-layer.
+layer, as are a bfloat16 model's norms and rotary embedding (`CpuBf16Ops`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -224,23 +224,62 @@ class CpuAttentionKernel(_PerDtype):
         return out
 
 
-class CpuNormKernel:
-    """RMSNorm of bfloat16 rows in one call instead of torch's eight elementwise ops, rounding
-    as they do (cpu_kernels.c)."""
+class CpuBf16Ops:
+    """Small per-layer ops of a bfloat16 model, each one native call instead of several torch
+    ops, the same bits (cpu_kernels.c): RMSNorm (12 against 32 us for 32 rows of 576), and the
+    rotary embedding with the KV write (1.1 against 2.0 ms a decode step of 32 sequences).
+    (SwiGLU's product was tried too: torch's silu and multiply took no longer.)"""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         bf16 = {torch.bfloat16: "bf16"}
-        self._function = _bind(lib, "rms_norm", argtypes, None, bf16)[torch.bfloat16]
+        norm = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        self._norm = _bind(lib, "rms_norm", norm, None, bf16)[torch.bfloat16]
+        rope = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2
+        rope += [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+        rope += [ctypes.c_void_p] * 2 + [ctypes.c_int]
+        self._rope = _bind(lib, "rope_write", rope, ctypes.c_int, bf16)[torch.bfloat16]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x [n, dim] bfloat16 (made contiguous), weight [dim] bfloat16 -> [n, dim]."""
+        """x [n, dim] bfloat16 (made contiguous), weight [dim] bfloat16 -> [n, dim]. The same
+        bits as the reference's torch ops (in float32, the normalized row rounded, then times
+        the weight, rounded)."""
         x = x.contiguous()
         out = torch.empty_like(x)
-        self._function(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        self._norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
+
+    def rotate_and_write(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_pages: torch.Tensor,
+        slot_offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        """qkv [n, (heads + 2 * kv_heads) * dim] bfloat16 (unit column stride) -> q [n, heads,
+        dim] rotated; k rotated and v written to slot (slot_pages[i], slot_offsets[i]) of
+        kv_cache [pages, page_size, 2, kv_heads, dim] (each page contiguous). cos, sin
+        [max_positions, dim] bfloat16 tables, contiguous; positions, slot_pages, slot_offsets
+        int64 [n], contiguous. The same bits as RotaryEmbedding.rotate and write_kv."""
+        n, dim = qkv.shape[0], cos.shape[1]
+        if qkv.stride(1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * dim:
+            raise ValueError("qkv must be [n, (heads + 2 * kv_heads) * dim], unit column stride")
+        q = torch.empty(n, heads, dim, dtype=qkv.dtype)
+        status = self._rope(
+            qkv.data_ptr(), qkv.stride(0), n, heads, kv_heads, dim, cos.data_ptr(),
+            sin.data_ptr(), cos.shape[0], positions.data_ptr(), q.data_ptr(),
+            kv_cache.data_ptr(), kv_cache.stride(0), slot_pages.data_ptr(),
+            slot_offsets.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"a position is past the rotary table's {cos.shape[0]}")
+        return q
 
 
 load = _loader(CpuLoRAKernel)
 load_attention = _loader(CpuAttentionKernel)
-load_norm = _loader(CpuNormKernel)
+load_bf16_ops = _loader(CpuBf16Ops)

@@ -9,12 +9,7 @@ import torch
 from loraplex import SamplingParams
 from loraplex.engine import device
 from loraplex.engine.config import EngineConfig
-from tests.factories import make_llm
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return set(next(line for line in cpuinfo if line.startswith("flags")).split())
+from tests.factories import cpu_flags, make_llm
 
 
 def test_auto_follows_what_this_cpu_reports():

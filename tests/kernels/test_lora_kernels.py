@@ -11,6 +11,7 @@ import ctypes
 import platform
 import random
 import subprocess
+import types
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from loraplex.kernels.lora import (
     lora_shrink_reference,
     lora_shrink_triton,
 )
+from tests.factories import cpu_flags
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -148,19 +150,35 @@ def native_kernel():
     return kernel
 
 
-@pytest.fixture(scope="module", params=["native", "without AVX-512"])
-def kernel_build(request, tmp_path_factory):
-    """The kernel as this machine builds it, and, on x86-64, built for AVX2 only: the portable
-    loops that CPUs without AVX-512 run (the native build uses AVX-512 intrinsics where it can)."""
-    if request.param == "native":
-        return native_kernel()
+# Builds of the kernels besides the machine's own (-march=native): on x86-64, AVX-512 without
+# AVX512-BF16 (x86-64-v4, where the CPU runs it) and AVX2 only (x86-64-v3): the paths other CPUs
+# take (cpu_kernels.c chooses by what the compiler targets).
+BUILDS = {"native": None, "AVX-512 without BF16": "x86-64-v4", "without AVX-512": "x86-64-v3"}
+
+
+def build_for(build: str, tmp_path_factory) -> ctypes.CDLL | None:
+    """The kernels' library built for `build` (skips where this CPU cannot run it); None for the
+    machine's own build, which cpu_lora loads."""
+    march = BUILDS[build]
+    if march is None:
+        return None
     if platform.machine() != "x86_64":
-        pytest.skip("the AVX2-only build is an x86-64 target")
-    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_lora.FLAGS]
-    target = tmp_path_factory.mktemp("kernel") / "cpu_lora_avx2.so"
-    compiler = cpu_lora._compiler()
-    subprocess.run([compiler, *flags, str(cpu_lora.SOURCE), "-o", str(target)], check=True)
-    return cpu_lora.CpuLoRAKernel(ctypes.CDLL(str(target)))
+        pytest.skip("the other builds are x86-64 targets")
+    if march == "x86-64-v4" and not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX-512")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_lora.FLAGS]
+    target = tmp_path_factory.mktemp("kernels") / f"cpu_kernels_{march}.so"
+    subprocess.run(
+        [cpu_lora._compiler(), *flags, str(cpu_lora.SOURCE), "-o", str(target)], check=True
+    )
+    return ctypes.CDLL(str(target))
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernel_build(request, tmp_path_factory):
+    """The LoRA kernel as this machine builds it, and as the other x86-64 builds run it."""
+    lib = build_for(request.param, tmp_path_factory)
+    return native_kernel() if lib is None else cpu_lora.CpuLoRAKernel(lib)
 
 
 def apply_native(x, y, pool, a_offsets, b_offsets, ranks, scales, segments, kernel=None):
@@ -287,28 +305,29 @@ def test_without_a_working_compiler_the_cpu_falls_back_to_the_torch_path(
 # -- decode attention in place (cpu_kernels.c) -------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["native", "without AVX-512"])
+@pytest.fixture(scope="module", params=list(BUILDS))
 def attention_build(request, tmp_path_factory):
-    """The attention kernel as this machine builds it, and built for AVX2 only (x86-64)."""
-    if request.param == "native":
-        kernel = cpu_lora.load_attention()
-        if kernel is None:
-            pytest.fail("the CPU kernels did not build: a C compiler is part of the setup")
-        return kernel
-    if platform.machine() != "x86_64":
-        pytest.skip("the AVX2-only build is an x86-64 target")
-    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in cpu_lora.FLAGS]
-    target = tmp_path_factory.mktemp("attention") / "cpu_kernels_avx2.so"
-    subprocess.run(
-        [cpu_lora._compiler(), *flags, str(cpu_lora.SOURCE), "-o", str(target)], check=True
-    )
-    return cpu_lora.CpuAttentionKernel(ctypes.CDLL(str(target)))
+    """The attention kernel as this machine builds it, and as the other x86-64 builds run it."""
+    lib = build_for(request.param, tmp_path_factory)
+    if lib is not None:
+        return cpu_lora.CpuAttentionKernel(lib)
+    kernel = cpu_lora.load_attention()
+    if kernel is None:
+        pytest.fail("the CPU kernels did not build: a C compiler is part of the setup")
+    return kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,sharpness",
-    [(9, 3, 64, 1.0), (9, 3, 64, 12.0), (4, 4, 32, 1.0), (8, 1, 80, 1.0), (4, 2, 128, 4.0)],
+    [
+        (9, 3, 64, 1.0),
+        (9, 3, 64, 12.0),
+        (10, 2, 64, 1.0),
+        (4, 4, 32, 1.0),
+        (8, 1, 80, 1.0),
+        (4, 2, 128, 4.0),
+    ],
 )
 def test_decode_attention_in_place_matches_torch(
     attention_build, dtype, heads, kv_heads, dim, sharpness
@@ -345,13 +364,57 @@ def test_decode_attention_in_place_matches_torch(
             torch.testing.assert_close(out[i], ref, atol=2e-6, rtol=1e-5)
         else:  # float32 inside, one bfloat16 rounding of the result
             torch.testing.assert_close(out[i].float(), ref, atol=1e-2, rtol=1e-2)
+    # a batch of two sequences, which the kernel splits by kv head to keep both cores busy
+    few = attention_build.decode(q[4:6], kv, tables[4:6], lens[4:6], scale)
+    assert torch.equal(few, out[4:6])
 
 
 @pytest.mark.parametrize("dim", [576, 64, 1000])
 def test_native_rms_norm_is_bit_identical_to_torch_in_bfloat16(dim):
     """The engine uses it in bfloat16 only, where it must round exactly as the torch ops do."""
-    kernel = cpu_lora.load_norm()
+    kernel = cpu_lora.load_bf16_ops()
     generator = torch.Generator().manual_seed(dim)
     x = (torch.randn(33, dim, generator=generator) * 3).to(torch.bfloat16)
     weight = torch.randn(dim, generator=generator).to(torch.bfloat16)
     assert torch.equal(kernel.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (2, 1, 80)])
+def test_native_rope_and_kv_write_are_bit_identical_to_torch_in_bfloat16(heads, kv_heads, dim):
+    """The engine's bfloat16 path rotates q and k and writes k and v to their cache slots in one
+    native call: the same bits as the torch ops, and nothing else of the cache touched."""
+    from loraplex.engine.attention import write_kv
+    from loraplex.engine.config import RopeConfig
+    from loraplex.engine.rope import RotaryEmbedding
+
+    kernel = cpu_lora.load_bf16_ops()
+    generator = torch.Generator().manual_seed(dim)
+    n, max_positions, page_size = 21, 300, 4
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), dim, max_positions, torch.bfloat16, "cpu")
+    qkv = torch.randn(n, 40 + (heads + 2 * kv_heads) * dim, generator=generator) * 4
+    qkv = qkv.to(torch.bfloat16)[:, 40:]  # a row stride wider than the row, as a slice gives
+    positions = torch.randperm(max_positions, generator=generator)[:n]
+    pages = torch.randperm(12, generator=generator)[: -(-n // page_size)]
+    slot_pages = pages.repeat_interleave(page_size)[:n]
+    slot_offsets = torch.arange(n) % page_size
+    # a layer's view of a pool: pages two layers apart
+    pool = torch.randn(12, 2, page_size, 2, kv_heads, dim, generator=generator).bfloat16()
+    before = pool.clone()
+    got_cache, want_cache = pool[:, 1], before[:, 1].clone()
+    got_q = kernel.rotate_and_write(
+        qkv, heads, kv_heads, rope.cos, rope.sin, positions, got_cache, slot_pages, slot_offsets
+    )
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    cos, sin = rope.lookup(positions)
+    want_q = rope.rotate(q.reshape(n, heads, dim), cos, sin)
+    k = rope.rotate(k.reshape(n, kv_heads, dim), cos, sin)
+    slots = types.SimpleNamespace(slot_pages=slot_pages, slot_offsets=slot_offsets)
+    write_kv(want_cache, k, v.reshape(n, kv_heads, dim), slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_cache, want_cache)
+    assert torch.equal(pool[:, 0], before[:, 0])  # the other layer
+    with pytest.raises(ValueError, match="past the rotary table"):
+        kernel.rotate_and_write(
+            qkv, heads, kv_heads, rope.cos[:10], rope.sin[:10], positions, got_cache,
+            slot_pages, slot_offsets,
+        )  # fmt: skip
