@@ -121,6 +121,19 @@ def choose_bf16_ops(device: str, dtype: torch.dtype):
     return cpu_lora.load_bf16_ops()
 
 
+def choose_argmax(device: str):
+    """Greedy sampling's argmax over a step's float32 logits [n, vocab] -> int64 [n] (the first
+    of equal values): on CPU the native kernel where it builds (torch's max with indices is a
+    scalar loop there), else torch's."""
+    kernel = cpu_lora.load_argmax() if device == "cpu" else None
+    return kernel if kernel is not None else _torch_argmax
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    # max's indices are argmax's (the first best on a tie), in a third of the time on CPU
+    return logits.max(dim=-1).indices
+
+
 # Row count oneDNN tunes the packed layout for; any row count works.
 _PACKING_ROWS_HINT = 64
 

@@ -17,6 +17,7 @@ from loraplex.engine.adapters.manager import AdapterManager, PoolSnapshot
 from loraplex.engine.config import EngineConfig, ModelConfig, parse_size
 from loraplex.engine.default_model import resolve_model
 from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.device import choose_argmax
 from loraplex.engine.errors import (
     AdapterError,
     EngineError,
@@ -86,7 +87,9 @@ class LLMEngine:
             config.max_num_seqs,
             make_policy(config.scheduling_policy, config.max_num_seqs),
         )
-        self.runner = ModelRunner(self.model, self.kv, Sampler(config.seed), config)
+        self.runner = ModelRunner(
+            self.model, self.kv, Sampler(config.seed, choose_argmax(config.device)), config
+        )
         self.requests: dict[str, Request] = {}
         self.counters = StepCounters()
         self._grammars: Grammars | None = None

@@ -9,6 +9,8 @@ Log-probabilities are those of the model's raw distribution.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from loraplex.engine.sequence import Sequence, TokenLogprob
@@ -16,8 +18,11 @@ from loraplex.engine.structured import Masks
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, argmax: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """`argmax`: [n, vocab] float32 -> int64 [n], the first best of each row
+        (device.choose_argmax)."""
         self._shared_generator = torch.Generator().manual_seed(seed)
+        self._argmax = argmax
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], masks: Masks | None = None
@@ -34,8 +39,7 @@ class Sampler:
             logits = _apply_logit_bias(logits, seqs)
         if masks is not None:
             masks.apply(logits, [seq.matcher for seq in seqs])
-        # max's indices are argmax's (the first best on a tie), in a third of the time on CPU
-        token_ids = logits.max(dim=-1).indices
+        token_ids = self._argmax(logits)
         random_rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if random_rows:
             drawn = self._draw(logits[random_rows], [seqs[i] for i in random_rows])

@@ -746,3 +746,55 @@ int rope_write_bf16(const uint16_t *qkv, int64_t qkv_stride, int64_t n, int64_t 
     }
     return 0;
 }
+
+/* Greedy sampling's pick: out[i] = the index of the largest element of row i of x [n, vocab]
+ * (rows row_stride apart): the first of equal ones, or the first NaN of a row that has one, as
+ * torch.max(dim=-1) picks. torch's max with indices is a scalar loop on CPU (0.4 ms for 32 rows
+ * of a 49,152-token vocabulary, against 0.04 ms for a max without them); here sixteen lanes
+ * each keep their own first best and its index, and the lanes are compared once at the end. */
+static int64_t first_nan(const float *x, int64_t n) {
+    for (int64_t k = 0; k < n; k++)
+        if (isnan(x[k])) return k;
+    return -1;
+}
+
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t best = 0, k = 1;
+    float top = x[0];
+    int nan = isnan(top);
+#if defined(__AVX512F__)
+    if (n >= 32) {
+        __m512 tops = _mm512_loadu_ps(x);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i where = at;
+        __mmask16 nans = _mm512_cmp_ps_mask(tops, tops, _CMP_UNORD_Q);
+        for (k = 16; k + 16 <= n; k += 16) {
+            const __m512 v = _mm512_loadu_ps(x + k);
+            at = _mm512_add_epi32(at, sixteen);
+            const __mmask16 above = _mm512_cmp_ps_mask(v, tops, _CMP_GT_OQ);
+            nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            tops = _mm512_mask_mov_ps(tops, above, v);
+            where = _mm512_mask_mov_epi32(where, above, at);
+        }
+        top = _mm512_reduce_max_ps(tops);
+        const __mmask16 equal = _mm512_cmp_ps_mask(tops, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        best = _mm512_mask_reduce_min_epi32(equal, where);
+        nan = nans != 0;
+    }
+#endif
+    for (; k < n && !nan; k++) {
+        nan = isnan(x[k]);
+        if (x[k] > top) {
+            top = x[k];
+            best = k;
+        }
+    }
+    return nan ? first_nan(x, n) : best;
+}
+
+void argmax_rows_f32(const float *x, int64_t n, int64_t vocab, int64_t row_stride, int64_t *out,
+                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 4)
+    for (int64_t i = 0; i < n; i++) out[i] = argmax_row(x + i * row_stride, vocab);
+}

