@@ -23,8 +23,9 @@ def paged_attention(
     kv_cache already holds this step's keys and values.
     """
     out = torch.empty_like(q)
-    if batch.num_decodes:
-        out[: batch.num_decodes] = _decode(q[: batch.num_decodes], kv_cache, batch, scale)
+    rows = batch.num_row_queries
+    if rows:
+        out[:rows] = _row_queries(q[:rows], kv_cache, batch, scale)
     for span in batch.prefills:
         out[span.start : span.end] = _prefill(
             q[span.start : span.end], kv_cache, span, scale, batch.workspace
@@ -42,24 +43,25 @@ def _gather(
     return out.view(*block_tables.shape[:-1], -1, *kv_cache.shape[2:])
 
 
-def _decode(
+def _row_queries(
     q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
+    """One query row per token, each over its own context (ForwardBatch.num_row_queries)."""
     if batch.attention_kernel is not None:
         return batch.attention_kernel.decode(
-            q, kv_cache, batch.decode_block_tables, batch.decode_lens, scale
+            q, kv_cache, batch.row_block_tables, batch.row_lens, scale
         )
     kv = _gather(
-        kv_cache, batch.decode_block_tables, batch.workspace
+        kv_cache, batch.row_block_tables, batch.workspace
     )  # [B, ctx, 2, kv_heads, head_dim]
     dtype = q.dtype
-    compute = batch.decode_mask.dtype  # device.decode_attention_dtype
+    compute = batch.row_mask.dtype  # device.decode_attention_dtype
     q, kv = q.to(compute), kv.to(compute)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [B, heads, 1, head_dim]
         kv[:, :, 0].transpose(1, 2),  # [B, kv_heads, ctx, head_dim]
         kv[:, :, 1].transpose(1, 2),
-        attn_mask=batch.decode_mask,
+        attn_mask=batch.row_mask,
         scale=scale,
         enable_gqa=True,
     )

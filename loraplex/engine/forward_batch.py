@@ -7,8 +7,10 @@ The step's tokens are flattened into one unpadded batch, decode tokens first:
 
 Decodes (one query token each) run attention together: on CPU in the native kernel, which reads
 each sequence's keys and values in place from its pages, elsewhere over their gathered pages with
-a mask; each prefill span runs causal attention over its sequence's pages. Decodes are ordered
-base model first, then by adapter, so that each adapter's tokens are contiguous for batched LoRA.
+a mask; each prefill span runs causal attention over its sequence's pages, or, where the kernel
+takes prefill too (bfloat16 on CPU), every token of the span is one more row of the kernel, which
+sees its sequence's pages up to the token's own position. Decodes are ordered base model first,
+then by adapter, so that each adapter's tokens are contiguous for batched LoRA.
 """
 
 from __future__ import annotations
@@ -41,13 +43,16 @@ class ForwardBatch:
     slot_pages: torch.Tensor  # [num_tokens] page receiving each token's K/V
     slot_offsets: torch.Tensor  # [num_tokens] row inside that page
     num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_pages]
-    # [num_decodes, 1, 1, max_pages * page_size] additive, in the dtype decode attention computes
-    # in; None with the native kernel, which takes each sequence's context length instead
-    decode_mask: torch.Tensor | None
-    decode_lens: torch.Tensor | None  # [num_decodes] int64, with the native kernel
+    # the first rows, each attending on its own over its sequence's pages: the decodes, and
+    # every prefill token where the native kernel takes prefill
+    num_row_queries: int
+    row_block_tables: torch.Tensor | None  # [num_row_queries, max_pages]
+    # [num_row_queries, 1, 1, max_pages * page_size] additive, in the dtype decode attention
+    # computes in; None with the native kernel, which takes each row's context length instead
+    row_mask: torch.Tensor | None
+    row_lens: torch.Tensor | None  # [num_row_queries] int64, with the native kernel
     attention_kernel: CpuAttentionKernel | None
-    prefills: list[PrefillSpan]
+    prefills: list[PrefillSpan]  # the spans the rows above do not cover
     # rows whose logits are needed: the sampled ones, then those of `prompt_targets`
     logits_indices: torch.Tensor
     lora: TorchLoRA | KernelLoRA | None  # None when no token uses an adapter
@@ -73,6 +78,7 @@ class BatchSettings:
     pool: torch.Tensor  # [num_pages, page_numel]
     workspace: Workspace
     attention_kernel: CpuAttentionKernel | None = None  # decode attention in place (CPU)
+    prefill_in_kernel: bool = False  # prefill tokens too, as rows of the kernel
 
 
 def build_forward_batch(
@@ -86,7 +92,9 @@ def build_forward_batch(
     input_ids, positions, slot_pages, slot_offsets = [], [], [], []
     logits_indices, sampling = [], []
     prompt_rows, prompt_targets = [], []
-    decodes, prefills = [], []
+    rows, prefills = [], []  # rows: (sequence, context of its first row, number of rows)
+    kernel = settings.attention_kernel
+    prefill_rows = kernel is not None and settings.prefill_in_kernel
     for item in ordered:
         seq, num_new = item.seq, item.num_new
         start = len(input_ids)
@@ -96,8 +104,8 @@ def build_forward_batch(
         positions.extend(span)
         slot_pages.extend(seq.block_table[p // page_size] for p in span)
         slot_offsets.extend(p % page_size for p in span)
-        if num_new == 1:
-            decodes.append(seq)
+        if num_new == 1 or prefill_rows:
+            rows.append((seq, first + 1, num_new))
         else:
             prefills.append(_prefill_span(seq, start, num_new, page_size, device))
         if first + num_new == seq.num_tokens:
@@ -109,22 +117,23 @@ def build_forward_batch(
                 if len(seq.prompt_logprobs) < target < seq.num_prompt_tokens:
                     prompt_rows.append(row)
                     prompt_targets.append((seq, seq.token_ids[target]))
-    kernel = settings.attention_kernel
-    tables, mask, lens = _decode_tables(decodes, page_size, settings.dtype, device, kernel)
+    tables, mask, lens = _row_tables(rows, page_size, settings.dtype, device, kernel)
+    num_decodes = sum(1 for item in ordered if item.num_new == 1)
     batch = ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=device),
         slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
-        num_decodes=len(decodes),
-        decode_block_tables=tables,
-        decode_mask=mask,
-        decode_lens=lens,
+        num_decodes=num_decodes,
+        num_row_queries=sum(count for _, _, count in rows),
+        row_block_tables=tables,
+        row_mask=mask,
+        row_lens=lens,
         attention_kernel=kernel,
         prefills=prefills,
         logits_indices=torch.tensor(logits_indices + prompt_rows, dtype=torch.long, device=device),
         lora=build_lora_batch(
-            settings.lora_backend, token_adapters, len(decodes), settings.pool, settings.workspace
+            settings.lora_backend, token_adapters, num_decodes, settings.pool, settings.workspace
         ),
         workspace=settings.workspace,
         prompt_targets=prompt_targets,
@@ -149,23 +158,30 @@ def _prefill_span(seq: Sequence, start: int, num_new: int, page_size: int, devic
     )
 
 
-def _decode_tables(
-    decodes: list[Sequence], page_size: int, dtype: torch.dtype, device: str, kernel
+def _row_tables(
+    rows: list[tuple[Sequence, int, int]], page_size: int, dtype: torch.dtype, device: str, kernel
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(block tables, additive mask, context lengths): the lengths for the native kernel, else
-    the mask."""
-    if not decodes:
+    """(block tables, additive mask, context lengths) of the row queries: `count` rows of each
+    (sequence, context of its first row, count), each seeing one more token than the row before;
+    the lengths for the native kernel, else the mask."""
+    if not rows:
         return None, None, None
-    context_lens = [seq.num_computed_tokens + 1 for seq in decodes]
-    max_pages = -(-max(context_lens) // page_size)
+    max_pages = -(-max(first + count - 1 for _, first, count in rows) // page_size)
     # Pad short tables with the sequence's own last page: those columns are masked out below,
     # and a sequence never reads another's memory, whatever that holds.
-    rows = [
+    padded = [
         seq.block_table[:max_pages] + seq.block_table[-1:] * (max_pages - len(seq.block_table))
-        for seq in decodes
+        for seq, _, _ in rows
     ]
-    tables = torch.tensor(rows, dtype=torch.long, device=device)
-    lens = torch.tensor(context_lens, dtype=torch.long, device=device)
+    tables = torch.tensor(padded, dtype=torch.long, device=device)
+    if any(count > 1 for _, _, count in rows):  # a prefill span: a row per token
+        counts = torch.tensor([count for _, _, count in rows], device=device)
+        tables = tables.repeat_interleave(counts, dim=0)
+    lens = torch.tensor(
+        [length for _, first, count in rows for length in range(first, first + count)],
+        dtype=torch.long,
+        device=device,
+    )
     if kernel is not None:
         return tables, None, lens
     visible = torch.arange(max_pages * page_size, device=device)[None, :] < lens[:, None]

@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.device import choose_attention_kernel, choose_lora_backend
+from loraplex.engine.device import (
+    choose_attention_kernel,
+    choose_lora_backend,
+    kernel_takes_prefill,
+)
 from loraplex.engine.forward_batch import BatchSettings, build_forward_batch
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.model import CausalLM
@@ -46,6 +50,7 @@ class ModelRunner:
             pool=kv.pool.data,
             workspace=Workspace(config.device),
             attention_kernel=choose_attention_kernel(config.device, config.torch_dtype),
+            prefill_in_kernel=kernel_takes_prefill(config.torch_dtype),
         )
 
     def execute(self, out: SchedulerOutput) -> StepResult:
