@@ -1,6 +1,7 @@
-/* The CPU kernels: batched LoRA (lora_apply_*), decode attention over the paged KV cache
- * (attend_decode_*), and, at the end, two small ops of bfloat16 models (rms_norm_bf16,
- * rope_write_bf16).
+/* The CPU kernels: batched LoRA (lora_apply_*), attention of one query row per token over the
+ * paged KV cache (attend_decode_*: decode tokens, and prompt tokens in bfloat16), two small ops
+ * of bfloat16 models (rms_norm_bf16, rope_write_bf16), and, at the end, greedy sampling's argmax
+ * (argmax_rows_f32).
  *
  * Batched LoRA on CPU: y[t] += scale[s] * (x[t] @ A_s^T) @ B_s for each token t of run s, every
  * adapter row read straight from the page pool, once per token (a token sorted next to tokens of
@@ -386,9 +387,10 @@ int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_
     return 0;
 }
 
-/* Decode attention: out[b, h] = softmax(scale * q[b, h] . K_b) V_b for one query row per
- * sequence, its keys and values read in place from the pages of its block table (no gather into
- * a buffer, no upcast copy), scores and sums in float32.
+/* Row attention: out[b, h] = softmax(scale * q[b, h] . K_b) V_b for each query row b (a decode
+ * token, or a prompt token: its sequence's table and its own position + 1 as length), keys and
+ * values read in place from the pages of its block table (no gather into a buffer, no upcast
+ * copy), scores and sums in float32.
  *
  *   q, out   [n, heads, dim]                       contiguous, the storage dtype
  *   kv       [pages, page_size, 2, kv_heads, dim]  the layer's cache: pages page_stride apart,

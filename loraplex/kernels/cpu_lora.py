@@ -1,7 +1,8 @@
 """The CPU kernels (cpu_kernels.c): built once per machine with its own C compiler, loaded with
 ctypes. The LoRA kernel is called once per (layer, projection input, group of runs): q, k and v
-in one call, gate and up in one; the decode attention kernel (`CpuAttentionKernel`) once per
-layer, as are a bfloat16 model's norms and rotary embedding (`CpuBf16Ops`).
+in one call, gate and up in one; the attention kernel (`CpuAttentionKernel`: decode tokens, and
+in bfloat16 prompt tokens too) once per layer, as are a bfloat16 model's norms and rotary
+embedding (`CpuBf16Ops`); greedy sampling's argmax (`CpuArgmax`) once per step.
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
