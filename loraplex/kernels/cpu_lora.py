@@ -233,7 +233,7 @@ class CpuBf16Ops:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         bf16 = {torch.bfloat16: "bf16"}
-        norm = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+        norm = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
         self._norm = _bind(lib, "rms_norm", norm, None, bf16)[torch.bfloat16]
         rope = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2
         rope += [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
@@ -246,7 +246,10 @@ class CpuBf16Ops:
         the weight, rounded)."""
         x = x.contiguous()
         out = torch.empty_like(x)
-        self._norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        self._norm(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out
 
     def rotate_and_write(
