@@ -369,12 +369,13 @@ def test_decode_attention_in_place_matches_torch(
     assert torch.equal(few, out[4:6])
 
 
+@pytest.mark.parametrize("rows", [33, 300], ids=["one thread", "all threads"])
 @pytest.mark.parametrize("dim", [576, 64, 1000])
-def test_native_rms_norm_is_bit_identical_to_torch_in_bfloat16(dim):
+def test_native_rms_norm_is_bit_identical_to_torch_in_bfloat16(dim, rows):
     """The engine uses it in bfloat16 only, where it must round exactly as the torch ops do."""
     kernel = cpu_lora.load_bf16_ops()
     generator = torch.Generator().manual_seed(dim)
-    x = (torch.randn(33, dim, generator=generator) * 3).to(torch.bfloat16)
+    x = (torch.randn(rows, dim, generator=generator) * 3).to(torch.bfloat16)
     weight = torch.randn(dim, generator=generator).to(torch.bfloat16)
     assert torch.equal(kernel.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
 
