@@ -101,11 +101,7 @@ def decode_steps(engine, prompts, loras, steps: int, switch: LoRASwitch) -> Step
 
 def adapter_bytes(engine) -> int:
     """Bytes of the weights of every resident adapter, at the pool's dtype."""
-    total = 0
-    for resident in engine.adapters.resident.values():
-        for chunks in (*resident.a_chunks.values(), *resident.b_chunks.values()):
-            total += sum(c.numel() * c.element_size() for c in chunks)
-    return total
+    return sum(resident.nbytes for resident in engine.adapters.resident.values())
 
 
 def main() -> None:

@@ -132,7 +132,8 @@ class LLMEngine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
-        adapter_pages = self.adapters.plan_pages(adapter.weights) if adapter else 0
+        # laid out for the pool here, off the engine thread, which then loads it in one copy
+        adapter_pages = self.adapters.pack(adapter.weights).num_pages if adapter else 0
         max_tokens = self._check_lengths(len(token_ids), params, adapter, adapter_pages)
         num_pages_needed = self.kv.pages_for(len(token_ids) + max_tokens) + adapter_pages
         self._check_fits_pool(num_pages_needed, adapter, len(token_ids), max_tokens)

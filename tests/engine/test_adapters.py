@@ -7,7 +7,9 @@ import dataclasses
 import shutil
 
 import pytest
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.engine.adapters import lora_batch
@@ -105,6 +107,17 @@ def corrupt(src, dst, how):
     return dst
 
 
+def with_values(src, dst, *values):
+    """A copy of the adapter at `src` whose first lora_B tensor starts with `values`."""
+    shutil.copytree(src, dst)
+    weights = dst / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(n for n in tensors if "lora_B" in n)[0]
+    tensors[name].view(-1)[: len(values)] = torch.tensor(values)
+    save_file(tensors, weights)
+    return dst
+
+
 def bad_adapters(tiny_llama, tiny_adapters, tmp_path):
     good = tiny_adapters["qv-r4"]
     other = ModelConfig.from_dir(tiny_llama)
@@ -118,6 +131,14 @@ def bad_adapters(tiny_llama, tiny_adapters, tmp_path):
         "truncated": (
             corrupt(good, tmp_path / "truncated", "truncated"),
             "not a readable safetensors file",
+        ),
+        "NaN": (
+            with_values(good, tmp_path / "nan", 0.5, float("nan")),
+            "lora_B.weight holds NaN or infinite values",
+        ),
+        "infinite": (
+            with_values(good, tmp_path / "inf", float("-inf")),
+            "lora_B.weight holds NaN or infinite values",
         ),
         "other base": (
             random_peft_adapter(tmp_path / "other", other, 4),
@@ -287,3 +308,37 @@ def test_request_that_only_fits_without_the_pinned_adapters_is_refused(tiny_llam
         engine.make_request([5] * 100, fits_only_unpinned)
     engine.unpin_adapter("pinned")
     engine.make_request([5] * 100, fits_only_unpinned)  # fine once nothing is pinned
+
+
+def test_large_finite_weights_are_not_mistaken_for_infinite(tiny_llama, tiny_adapters, tmp_path):
+    """Finite values whose sum overflows: the check that sums first looks again, element by
+    element, and serves the adapter."""
+    huge = with_values(tiny_adapters["qv-r4"], tmp_path / "huge", 3e38, 3e38, -3e38)
+    engine = make_llm(tiny_llama).engine
+    request = engine.make_request("the river", GREEDY, lora=LoRARequest("huge", str(huge)))
+    assert request.seqs[0].adapter is not None
+
+
+def test_an_adapter_is_laid_out_for_the_pool_when_requested_and_its_host_copy_held_once(
+    tiny_llama, tiny_adapters
+):
+    """The request's thread lays the adapter out as the pool's pages hold it (so the engine
+    thread loads it with one copy); the host copy's matrices are views of that image, not a
+    second copy; the pool then holds exactly the adapter's matrices."""
+    llm = make_llm(tiny_llama)
+    engine = llm.engine
+    lora = LoRARequest("all", str(tiny_adapters["all-r2"]))
+    request = engine.make_request("the river", GREEDY, lora=lora)
+    weights = request.seqs[0].adapter.weights
+    (packed,) = weights.packed.values()
+    image = packed.image.untyped_storage().data_ptr()
+    matrices = {("a", k): t for k, t in weights.a.items()}
+    matrices.update({("b", k): t for k, t in weights.b.items()})
+    assert all(t.untyped_storage().data_ptr() == image for t in matrices.values())
+    engine.add_request(request)
+    while engine.has_unfinished():
+        engine.step()
+    resident = engine.adapters.resident[weights.content_hash]
+    for (kind, (layer, module)), tensor in matrices.items():
+        matrix = resident.a_matrix if kind == "a" else resident.b_matrix
+        assert torch.equal(matrix(layer, module), tensor), (kind, layer, module)

@@ -9,11 +9,16 @@ page is split, between whole rows:
     page 1: [B q L1] ...
 
 so a row never straddles two pages, and almost every matrix is one contiguous run of memory.
+
+`pack` lays an adapter out so in host memory, once per adapter and off the engine thread:
+loading it into the pool is then one copy of whole pages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -45,3 +50,92 @@ def plan(shapes: list[tuple[int, int]], page_numel: int) -> tuple[int, list[list
             used += fit * width
         placements.append(chunks)
     return page + (1 if used else 0), placements
+
+
+Matrix = tuple[str, tuple[int, str]]  # ("a" or "b", (layer, module))
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Where every row of an adapter's matrices lies in its pages: row i of a matrix at element
+    `*_within[layer, module, i]` of the adapter's page `*_page[layer, module, i]` (an index into
+    the pages it is given when loaded). Depends on the matrices' shapes only, so adapters of one
+    shape share one."""
+
+    num_pages: int
+    matrices: dict[Matrix, tuple[int, list[Chunk]]]  # (row width, its chunks) of each matrix
+    a_page: torch.Tensor  # [num_layers, num_modules, rank] int64
+    a_within: torch.Tensor
+    b_page: torch.Tensor
+    b_within: torch.Tensor
+    has_module: torch.Tensor  # [num_layers, num_modules] bool
+
+    @classmethod
+    def of(
+        cls,
+        shapes: list[tuple[Matrix, tuple[int, int]]],
+        page_numel: int,
+        num_layers: int,
+        modules: tuple[str, ...],
+    ) -> PageLayout:
+        """shapes: (matrix, (rows, row width)) of every matrix, in the order they are packed."""
+        num_pages, placements = plan([shape for _, shape in shapes], page_numel)
+        rank = shapes[0][1][0]
+        # kind -> [page, element within it] of each row: [2, num_layers, num_modules, rank]
+        where = {k: torch.zeros(2, num_layers, len(modules), rank, dtype=torch.long) for k in "ab"}
+        has_module = torch.zeros(num_layers, len(modules), dtype=torch.bool)
+        matrices: dict[Matrix, tuple[int, list[Chunk]]] = {}
+        for ((kind, (layer, module)), (_, width)), chunks in zip(shapes, placements, strict=True):
+            m = modules.index(module)
+            for c in chunks:
+                rows = slice(c.first_row, c.first_row + c.num_rows)
+                where[kind][0, layer, m, rows] = c.page
+                where[kind][1, layer, m, rows] = c.offset + width * torch.arange(c.num_rows)
+            matrices[(kind, (layer, module))] = (width, chunks)
+            has_module[layer, m] = True
+        return cls(
+            num_pages=num_pages,
+            matrices=matrices,
+            a_page=where["a"][0],
+            a_within=where["a"][1],
+            b_page=where["b"][0],
+            b_within=where["b"][1],
+            has_module=has_module,
+        )
+
+
+@dataclass(frozen=True)
+class PackedAdapter:
+    """An adapter's matrices as its pages hold them, in host memory at the pool's dtype."""
+
+    image: torch.Tensor  # [num_pages, page_numel]
+    layout: PageLayout
+
+    @property
+    def num_pages(self) -> int:
+        return self.layout.num_pages
+
+    def views(self) -> dict[Matrix, torch.Tensor]:
+        """Each matrix that lies whole in one page, as a view of the image."""
+        page_numel, flat = self.image.shape[1], self.image.view(-1)
+        views = {}
+        for name, (width, chunks) in self.layout.matrices.items():
+            if len(chunks) == 1:
+                start = chunks[0].page * page_numel + chunks[0].offset
+                views[name] = flat[start : start + chunks[0].num_rows * width].view(-1, width)
+        return views
+
+
+def pack(
+    matrices: dict[Matrix, torch.Tensor], layout: PageLayout, page_numel: int, dtype: torch.dtype
+) -> PackedAdapter:
+    """Copy each matrix to its places in a fresh image of the layout's pages."""
+    image = torch.zeros(layout.num_pages, page_numel, dtype=dtype)
+    flat = image.view(-1)
+    for name, (width, chunks) in layout.matrices.items():
+        tensor = matrices[name]
+        for c in chunks:
+            start = c.page * page_numel + c.offset
+            rows = tensor[c.first_row : c.first_row + c.num_rows]
+            flat[start : start + c.num_rows * width].view(c.num_rows, width).copy_(rows)
+    return PackedAdapter(image=image, layout=layout)

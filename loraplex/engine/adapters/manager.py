@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.adapters.catalog import AdapterRef
-from loraplex.engine.adapters.layout import Chunk, plan
+from loraplex.engine.adapters.layout import Chunk, Matrix, PackedAdapter, PageLayout, pack
 from loraplex.engine.adapters.peft_format import MODULES, LoRAWeights
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.errors import AdapterError, ErrorCode
@@ -33,8 +33,8 @@ _MAX_TARGET_SETS = 1024
 
 @dataclass(eq=False)
 class ResidentAdapter:
-    """An adapter's weights in pool pages, with views ready for the torch path and row offsets
-    ready for the kernels. Holds no host copy: the host cache alone bounds host memory.
+    """An adapter's weights in pool pages, with row offsets ready for the kernels and views of its
+    matrices for the torch path. Holds no host copy: the host cache alone bounds host memory.
 
     The only record of its state: `names` (ids it is served under, shown in snapshots),
     `pinned_by` (the ids that pinned it; a subset of `names`) and `num_users` (running
@@ -44,9 +44,9 @@ class ResidentAdapter:
     rank: int
     scale: float
     pages: list[int]
-    # (layer, module) -> views of the matrix's rows in the pool, in order (one unless split)
-    a_chunks: dict[tuple[int, str], list[torch.Tensor]]
-    b_chunks: dict[tuple[int, str], list[torch.Tensor]]
+    pool: torch.Tensor  # the whole pool, flat
+    page_numel: int
+    layout: dict[Matrix, tuple[int, list[Chunk]]]  # PageLayout.matrices
     a_offsets: torch.Tensor  # [num_layers, num_modules, rank] flat pool offset of each A row
     b_offsets: torch.Tensor  # [num_layers, num_modules, rank]
     has_module: torch.Tensor  # [num_layers, num_modules] bool
@@ -56,7 +56,8 @@ class ResidentAdapter:
     last_used: int = 0
 
     def __post_init__(self) -> None:
-        targets = frozenset(self.a_chunks)  # the (layer, module) pairs it changes
+        # the (layer, module) pairs it changes
+        targets = frozenset(key for kind, key in self.layout if kind == "a")
         if len(_TARGET_SETS) >= _MAX_TARGET_SETS and targets not in _TARGET_SETS:
             _TARGET_SETS.clear()
         self.targets = _TARGET_SETS.setdefault(targets, targets)
@@ -76,17 +77,27 @@ class ResidentAdapter:
         """Evictable: no running sequence uses it and nobody pinned it."""
         return self.num_users == 0 and not self.pinned_by
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its matrices in the pool."""
+        elements = sum(w * sum(c.num_rows for c in cs) for w, cs in self.layout.values())
+        return elements * self.pool.element_size()
+
     def a_matrix(self, layer: int, module: str) -> torch.Tensor:
         """[rank, in_features]: a view of the pool unless the matrix was split across pages."""
-        return _joined(self.a_chunks[(layer, module)])
+        return self._matrix(("a", (layer, module)))
 
     def b_matrix(self, layer: int, module: str) -> torch.Tensor:
         """[rank, out_features]."""
-        return _joined(self.b_chunks[(layer, module)])
+        return self._matrix(("b", (layer, module)))
 
-
-def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    def _matrix(self, name: Matrix) -> torch.Tensor:
+        width, chunks = self.layout[name]
+        views = []
+        for c in chunks:
+            start = self.pages[c.page] * self.page_numel + c.offset
+            views.append(self.pool[start : start + c.num_rows * width].view(c.num_rows, width))
+        return views[0] if len(views) == 1 else torch.cat(views)
 
 
 @dataclass(frozen=True)
@@ -126,7 +137,9 @@ class AdapterManager:
         self.num_pages = 0  # held by resident adapters
         # replaced, never mutated, so that other threads may read it without a lock
         self._pinned: dict[str, int] = {}
-        self._plans: dict[str, tuple[int, list[list[Chunk]]]] = {}
+        # by content hash (the question is asked every step), and by the matrices' shapes
+        self._layouts: dict[str, PageLayout] = {}
+        self._shapes: dict[tuple, PageLayout] = {}
         self._clock = itertools.count(1)
         self.num_loads = 0
         self.num_evictions = 0
@@ -141,7 +154,24 @@ class AdapterManager:
 
     def plan_pages(self, weights: LoRAWeights) -> int:
         """Pages the adapter occupies when resident. Safe from any thread."""
-        return self._plan(weights)[0]
+        return self._layout(weights).num_pages
+
+    def pack(self, weights: LoRAWeights) -> PackedAdapter:
+        """The adapter laid out as this pool's pages hold it, made once and kept with the weights
+        (so in the host cache), so that loading it on the engine thread is one copy. Safe from
+        any thread: the engine packs an adapter when a request for it arrives."""
+        key = (self.pool.page_numel, self.pool.data.dtype)
+        packed = weights.packed.get(key)
+        if packed is None:
+            matrices = {("a", k): t for k, t in weights.a.items()}
+            matrices.update({("b", k): t for k, t in weights.b.items()})
+            packed = pack(matrices, self._layout(weights), *key)
+            if next(iter(weights.a.values())).dtype == packed.image.dtype:
+                # the weights' matrices become views of the image: the host copy is held once
+                for (kind, k), view in packed.views().items():
+                    (weights.a if kind == "a" else weights.b)[k] = view
+            weights.packed[key] = packed
+        return packed
 
     def pinned_pages(self, besides: AdapterRef | None = None) -> int:
         """Pages held by pinned adapters other than `besides`. Safe from any thread."""
@@ -295,51 +325,45 @@ class AdapterManager:
         self.num_pages -= len(resident.pages)
         self.num_evictions += 1
 
-    def _matrices(self, weights: LoRAWeights) -> list[tuple[str, tuple[int, str], torch.Tensor]]:
-        return [
-            (kind, key, table[key])
-            for key in sorted(weights.a)
-            for kind, table in (("a", weights.a), ("b", weights.b))
-        ]
-
-    def _plan(self, weights: LoRAWeights):
-        cached = self._plans.get(weights.content_hash)
-        if cached is None:
-            if len(self._plans) > 4096:
-                self._plans.clear()
-            shapes = [tuple(t.shape) for _, _, t in self._matrices(weights)]
-            cached = self._plans[weights.content_hash] = plan(shapes, self.pool.page_numel)
-        return cached
+    def _layout(self, weights: LoRAWeights) -> PageLayout:
+        layout = self._layouts.get(weights.content_hash)
+        if layout is None:
+            if len(self._layouts) > 4096:
+                self._layouts.clear()
+            # A then B of each (layer, module), in order
+            shapes = [
+                ((kind, key), tuple(table[key].shape))
+                for key in sorted(weights.a)
+                for kind, table in (("a", weights.a), ("b", weights.b))
+            ]
+            signature = tuple(shapes)
+            layout = self._shapes.get(signature)
+            if layout is None:
+                if len(self._shapes) > 256:
+                    self._shapes.clear()
+                layout = PageLayout.of(shapes, self.pool.page_numel, self.model.num_layers, MODULES)
+                self._shapes[signature] = layout
+            self._layouts[weights.content_hash] = layout
+        return layout
 
     def _load(self, weights: LoRAWeights) -> ResidentAdapter:
         started = time.perf_counter()
-        num_pages, placements = self._plan(weights)
-        pages = self.pool.allocate(num_pages)
-        flat = self.pool.data.view(-1)
-        chunks: dict[str, dict] = {"a": {}, "b": {}}
-        offsets = {
-            "a": torch.zeros(self.model.num_layers, len(MODULES), weights.rank, dtype=torch.long),
-            "b": torch.zeros(self.model.num_layers, len(MODULES), weights.rank, dtype=torch.long),
-        }
-        has_module = torch.zeros(self.model.num_layers, len(MODULES), dtype=torch.bool)
-        for (kind, key, tensor), placement in zip(self._matrices(weights), placements, strict=True):
-            views = [self._place(flat, pages, chunk, tensor) for chunk in placement]
-            chunks[kind][key] = views
-            layer, module_index = key[0], MODULES.index(key[1])
-            offsets[kind][layer, module_index] = _row_offsets(
-                pages, placement, tensor, self.pool.page_numel
-            )
-            has_module[layer, module_index] = True
+        packed = self.pack(weights)  # packed already, unless it came by another way than a request
+        pages = self.pool.allocate(packed.num_pages)
+        page_ids = torch.tensor(pages, dtype=torch.long)
+        self.pool.data.index_copy_(0, page_ids, packed.image)
+        page_numel = self.pool.page_numel
         resident = ResidentAdapter(
             content_hash=weights.content_hash,
             rank=weights.rank,
             scale=weights.scale,
             pages=pages,
-            a_chunks=chunks["a"],
-            b_chunks=chunks["b"],
-            a_offsets=offsets["a"],
-            b_offsets=offsets["b"],
-            has_module=has_module,
+            pool=self.pool.data.view(-1),
+            page_numel=page_numel,
+            layout=packed.layout.matrices,
+            a_offsets=page_ids[packed.layout.a_page] * page_numel + packed.layout.a_within,
+            b_offsets=page_ids[packed.layout.b_page] * page_numel + packed.layout.b_within,
+            has_module=packed.layout.has_module,
         )
         self.resident[weights.content_hash] = resident
         self._idle_pages += len(pages)  # resident, no user yet
@@ -347,25 +371,3 @@ class AdapterManager:
         self.num_loads += 1
         self.load_seconds += time.perf_counter() - started
         return resident
-
-    def _place(
-        self, flat: torch.Tensor, pages: list[int], chunk: Chunk, tensor: torch.Tensor
-    ) -> torch.Tensor:
-        """Copy the chunk's rows of `tensor` into their pages; -> the view of them there."""
-        width = tensor.shape[1]
-        start = pages[chunk.page] * self.pool.page_numel + chunk.offset
-        view = flat[start : start + chunk.num_rows * width].view(chunk.num_rows, width)
-        view.copy_(tensor[chunk.first_row : chunk.first_row + chunk.num_rows])
-        return view
-
-
-def _row_offsets(
-    pages: list[int], placement: list[Chunk], tensor: torch.Tensor, page_numel: int
-) -> torch.Tensor:
-    width = tensor.shape[1]
-    rows = [
-        pages[c.page] * page_numel + c.offset + i * width
-        for c in placement
-        for i in range(c.num_rows)
-    ]
-    return torch.tensor(rows, dtype=torch.long)

@@ -10,11 +10,12 @@ is and B transposed, so that both are `rank` rows of one contiguous vector each:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,9 +43,12 @@ class LoRAWeights:
     scale: float
     a: dict[tuple[int, str], torch.Tensor]
     b: dict[tuple[int, str], torch.Tensor]
+    # its matrices laid out as a pool's pages hold them (AdapterManager.pack), by pool layout
+    packed: dict = field(default_factory=dict, compare=False, repr=False)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        # once: the host cache sums it over every cached adapter at each insertion
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
 
 
@@ -168,7 +172,9 @@ def _served(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
             code=ErrorCode.ADAPTER_CORRUPT,
         )
     served = tensor.to(dtype)
-    if not torch.isfinite(served).all():
+    # a NaN or infinity makes the sum so: one reduction (5 us) in place of isfinite and all (23
+    # us, for 240 tensors an adapter); a sum that overflows is checked element by element
+    if not torch.isfinite(served.sum()) and not torch.isfinite(served).all():
         raise AdapterError(
             f"adapter tensor {name} holds NaN or infinite values "
             f"(in the serving dtype, {str(dtype).removeprefix('torch.')})",
