@@ -84,35 +84,39 @@ class CausalLM:
             return self._bf16_ops.rms_norm(x, weight, self.config.rms_norm_eps)
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
+    def _add_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden + delta, its norm): in bfloat16 one native pass, the sum in place."""
+        if self._bf16_ops is not None:
+            return hidden, self._bf16_ops.add_rms_norm(
+                hidden, delta, weight, self.config.rms_norm_eps
+            )
+        hidden = hidden + delta
+        return hidden, rms_norm(hidden, weight, self.config.rms_norm_eps)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCacheManager) -> torch.Tensor:
-        """-> final hidden states of the rows in `batch.logits_indices`: [num_sampled, hidden]."""
+        """-> final hidden states of the rows in `batch.logits_indices`: [num_sampled, hidden].
+
+        Each layer's residual adds go with the norm that follows them (the next layer's input
+        norm after the MLP), so the bfloat16 path makes one pass of each add and norm."""
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
         cos, sin = self.rope.lookup(batch.positions)
+        x = self._norm(hidden, self.layers[0].input_norm)
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, batch, kv.layer_cache(index), cos, sin)
-        hidden = hidden[batch.logits_indices]
+            attended = self._attention(index, layer, x, batch, kv.layer_cache(index), cos, sin)
+            hidden, x = self._add_norm(hidden, attended, layer.post_attention_norm)
+            mlp = self._mlp(index, layer, x, batch)
+            if index + 1 < len(self.layers):
+                hidden, x = self._add_norm(hidden, mlp, self.layers[index + 1].input_norm)
+        hidden = (hidden + mlp)[batch.logits_indices]
         return self._norm(hidden, self.final_norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> [num_sampled, vocab] in float32."""
         return self.lm_head(hidden).float()
-
-    def _layer(
-        self,
-        index: int,
-        layer: Layer,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        kv_cache: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        x = self._norm(hidden, layer.input_norm)
-        hidden = hidden + self._attention(index, layer, x, batch, kv_cache, cos, sin)
-        x = self._norm(hidden, layer.post_attention_norm)
-        return hidden + self._mlp(index, layer, x, batch)
 
     def _attention(
         self,
@@ -145,8 +149,11 @@ class CausalLM:
     def _mlp(self, index: int, layer: Layer, x: torch.Tensor, batch: ForwardBatch):
         gate_up = layer.gate_up(x)
         _add_lora(batch, index, self._gate_up_modules, x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
+        if self._bf16_ops is not None:
+            hidden = self._bf16_ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
         out = layer.down(hidden)
         _add_lora(batch, index, self._down_modules, hidden, out)
         return out

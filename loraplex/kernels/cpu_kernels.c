@@ -429,7 +429,7 @@ typedef struct {
     size_t bytes;
 } Fetch;
 
-static const Fetch NO_FETCH = {NULL, 0};
+#define NO_FETCH ((Fetch){NULL, 0})
 
 static inline void fetch_at(Fetch fetch, int64_t t) {
     if (fetch.rows != NULL && fetch.rows[t] != NULL) prefetch_bytes(fetch.rows[t], fetch.bytes);
@@ -780,28 +780,107 @@ DEFINE_ATTEND_DECODE(attend_decode_bf16, uint16_t, attend_group_bf16, bf16_to_f3
 /* RMSNorm of each bfloat16 row, as the reference computes it: in float32, the normalized row
  * rounded to bfloat16, then multiplied by the weight and rounded again (float32 models keep
  * torch's ops, whose sum order this does not follow).
- *   x, out  [n, dim] contiguous; w [dim] */
+ *   x, out  [n, dim] contiguous; w [dim]
+ * A prompt chunk's rows go on every thread (256 rows of 576: 36 -> 19 us); a decode step's few
+ * rows on one, where waking the other costs more than it saves. */
+/* not inlined: one compiled body, so both entry points sum a row in the same order */
+__attribute__((noinline)) static void norm_row_bf16(const uint16_t *xi, const uint16_t *w,
+                                                    uint16_t *oi, int64_t dim, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < dim; k++) {
+        const float v = bf16_to_f32(xi[k]);
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int64_t k = 0; k < dim; k++) {
+        const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xi[k]) * r));
+        oi[k] = f32_to_bf16(bf16_to_f32(w[k]) * normed);
+    }
+}
+
 void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, int64_t dim,
                    float eps, int num_threads) {
-    /* a prompt chunk's rows on every thread (256 rows of 576: 36 -> 19 us); a decode step's few
-     * rows on one, where waking the other costs more than it saves */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 64)
+    for (int64_t i = 0; i < n; i++) norm_row_bf16(x + i * dim, w, out + i * dim, dim, eps);
+}
+
+/* The residual add and the next norm in one pass: hidden += delta (rounded to bfloat16, as
+ * torch's add rounds), then out = RMSNorm(hidden) as rms_norm_bf16. hidden, delta, out [n, dim]
+ * contiguous. */
+void add_rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *w, uint16_t *out,
+                       int64_t n, int64_t dim, float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 64)
     for (int64_t i = 0; i < n; i++) {
-        const uint16_t *xi = x + i * dim;
-        uint16_t *oi = out + i * dim;
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t k = 0; k < dim; k++) {
-            const float v = bf16_to_f32(xi[k]);
-            ss += v * v;
-        }
-        const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+        uint16_t *hi = hidden + i * dim;
+        const uint16_t *di = delta + i * dim;
 #pragma omp simd
-        for (int64_t k = 0; k < dim; k++) {
-            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xi[k]) * r));
-            oi[k] = f32_to_bf16(bf16_to_f32(w[k]) * normed);
-        }
+        for (int64_t k = 0; k < dim; k++) hi[k] = f32_to_bf16(bf16_to_f32(hi[k]) + bf16_to_f32(di[k]));
+        norm_row_bf16(hi, w, out + i * dim, dim, eps);
     }
+}
+
+/* SwiGLU's product of bfloat16 rows: out[t] = silu(gate) * up, gate_up[t] = [gate | up] (inter
+ * each, rows stride apart), out [n, inter] contiguous; silu rounded to bfloat16, then the
+ * product, as torch's silu and multiply round. One pass instead of two ops and the temporary
+ * between them. With AVX-512 the exp is a series (within 1e-7 relative of expf: it moves a
+ * rounded silu by one bfloat16 step only at a rounding boundary). */
+static inline float silu_f32(float g) { return g / (1.0f + expf(-g)); }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* exp of sixteen lanes, as exp8 computes eight (2^n e^r, e^r by its series to the 7th power),
+ * but past 88 infinity, as expf gives (silu of a very negative gate is then -0, as torch's) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline __m512 rounded_bf16(__m512 f) {
+    return _mm512_castsi512_ps(_mm512_and_si512(round_bf16(f), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t inter) {
+    for (int64_t k = 0; k < inter; k += 16) {
+        const __mmask16 m = inter - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (inter - k)) - 1u);
+        const __m512 gate = load_bf16x16(g + k, m);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+        const __m512 silu = rounded_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        const __m512 product = _mm512_mul_ps(silu, load_bf16x16(u + k, m));
+        _mm256_mask_storeu_epi16(o + k, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16(product), 16)));
+    }
+}
+#else
+static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t inter) {
+    for (int64_t k = 0; k < inter; k++) {
+        const float silu = bf16_to_f32(f32_to_bf16(silu_f32(bf16_to_f32(g[k]))));
+        o[k] = f32_to_bf16(silu * bf16_to_f32(u[k]));
+    }
+}
+#endif
+
+void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t n, int64_t inter,
+                   uint16_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < n; t++)
+        silu_mul_row_bf16(gate_up + t * stride, gate_up + t * stride + inter, out + t * inter, inter);
 }
 
 /* Rotary embedding and the KV write of bfloat16 tokens, in one pass instead of torch's dozen

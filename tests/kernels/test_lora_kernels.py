@@ -380,6 +380,38 @@ def test_native_rms_norm_is_bit_identical_to_torch_in_bfloat16(dim, rows):
     assert torch.equal(kernel.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5))
 
 
+@pytest.mark.parametrize("rows", [33, 300], ids=["one thread", "all threads"])
+def test_native_residual_add_and_norm_give_the_add_and_the_norm_apart(rows):
+    """The residual add, in place: torch's bits; the norm after it: the native norm's bits (which
+    sums a row in another order than torch's mean, so may differ from it by a rounding step)."""
+    kernel = cpu_lora.load_bf16_ops()
+    generator = torch.Generator().manual_seed(rows)
+    hidden = (torch.randn(rows, 576, generator=generator) * 3).to(torch.bfloat16)
+    delta = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(576, generator=generator).to(torch.bfloat16)
+    want_hidden = hidden + delta
+    got = kernel.add_rms_norm(hidden, delta, weight, 1e-5)
+    assert torch.equal(hidden, want_hidden)
+    assert torch.equal(got, kernel.rms_norm(want_hidden, weight, 1e-5))
+    want = rms_norm(want_hidden, weight, 1e-5).float()
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=2**-6)  # two roundings
+
+
+@pytest.mark.parametrize("inter", [1536, 40, 7])
+def test_native_swiglu_product_is_bit_identical_to_torch_in_bfloat16(inter):
+    """silu(gate) * up from a fused [gate | up] row, rows wider than the row (a slice), across
+    the range where silu bends (and past exp's clamps); a vector's tail when inter is not a
+    multiple of sixteen."""
+    kernel = cpu_lora.load_bf16_ops()
+    generator = torch.Generator().manual_seed(inter)
+    wide = torch.randn(300, 2 * inter + 8, generator=generator) * 6
+    wide[0, :inter] = torch.linspace(-120, 120, inter)
+    gate_up = wide.to(torch.bfloat16)[:, 8:]
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(kernel.silu_mul(gate_up), F.silu(gate) * up)
+    assert torch.equal(kernel.silu_mul(gate_up[:5]), F.silu(gate[:5]) * up[:5])
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (2, 1, 80)])
 def test_native_rope_and_kv_write_are_bit_identical_to_torch_in_bfloat16(heads, kv_heads, dim):
     """The engine's bfloat16 path rotates q and k and writes k and v to their cache slots in one
