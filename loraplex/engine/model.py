@@ -110,8 +110,8 @@ class CausalLM:
             mlp = self._mlp(index, layer, x, batch)
             if index + 1 < len(self.layers):
                 hidden, x = self._add_norm(hidden, mlp, self.layers[index + 1].input_norm)
-        hidden = (hidden + mlp)[batch.logits_indices]
-        return self._norm(hidden, self.final_norm)
+        rows = batch.logits_indices  # the last add only for the rows that sample
+        return self._norm(hidden[rows] + mlp[rows], self.final_norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
