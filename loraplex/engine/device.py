@@ -121,10 +121,10 @@ def kernel_takes_prefill(dtype: torch.dtype) -> bool:
 
 
 def choose_bf16_ops(device: str, dtype: torch.dtype):
-    """On CPU in bfloat16, RMSNorm and the rotary embedding with the KV write each in one native
-    call (cpu_lora.CpuBf16Ops, the same bits as torch's ops); None elsewhere. Not in float32:
-    the native norm sums in another order than torch's mean, and float32 stays token-identical
-    to transformers."""
+    """On CPU in bfloat16, RMSNorm (alone or after the residual add), SwiGLU's product and the
+    rotary embedding with the KV write each in one native call (cpu_lora.CpuBf16Ops, torch's
+    bits but for a rare rounding step); None elsewhere. Not in float32: the native norm sums in
+    another order than torch's mean, and float32 stays token-identical to transformers."""
     if device != "cpu" or dtype != torch.bfloat16:
         return None
     return cpu_lora.load_bf16_ops()

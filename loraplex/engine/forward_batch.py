@@ -77,7 +77,7 @@ class BatchSettings:
     lora_backend: str
     pool: torch.Tensor  # [num_pages, page_numel]
     workspace: Workspace
-    attention_kernel: CpuAttentionKernel | None = None  # decode attention in place (CPU)
+    attention_kernel: CpuAttentionKernel | None = None  # row attention in place (CPU)
     prefill_in_kernel: bool = False  # prefill tokens too, as rows of the kernel
 
 

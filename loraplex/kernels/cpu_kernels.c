@@ -722,11 +722,11 @@ DEFINE_ATTEND_GROUP(attend_group_bf16, uint16_t, scores_bf16, values_bf16)
 
 static inline float f32_identity(float v) { return v; }
 
-/* The entry point for one storage type: each sequence on its own, its kv heads in turn (each
- * kv head on its own when there are few sequences), each group's queries widened and scaled
- * into float32, the result rounded back. A thread claims its next item before it starts on the
- * one in hand (first come, first served, as a dynamic schedule), so that it can fetch the next
- * one's rows while it works (plan_fetches). */
+/* The entry point for one storage type: each query row on its own (a decode token, or a prompt
+ * token), its kv heads in turn (each kv head on its own when there are few rows), each group's
+ * queries widened and scaled into float32, the result rounded back. A thread claims its next
+ * item before it starts on the one in hand (first come, first served, as a dynamic schedule),
+ * so that it can fetch the next one's rows while it works (plan_fetches). */
 #define DEFINE_ATTEND_DECODE(NAME, T, GROUP, TO_F32, FROM_F32, UPCOMING)                                \
     int NAME(const T *q, T *out, const T *kv, int64_t page_stride, const int64_t *tables,     \
              int64_t table_stride, const int64_t *lens, int64_t n, int64_t heads,              \
@@ -744,12 +744,12 @@ static inline float f32_identity(float v) { return v; }
             while (item < items) {                                                            \
                 const int64_t next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);       \
                 const int64_t b = item / split, part = kv_heads / split;                      \
-                /* whole sequences only (an item of one kv head fetches nothing ahead), and   \
-                 * only as much as L2 keeps beside the sequence in hand */                    \
-                const int64_t *next_table = tables + next * table_stride;                     \
                 const int64_t *table = tables + b * table_stride;                             \
-                /* a row of the same sequence (a prompt's next token) finds its rows in cache */ \
-                const int fetch_next = split == 1 && next < items && next_table[0] != table[0] && \
+                /* the next item's rows are fetched ahead if it is a whole sequence (an item of \
+                 * one kv head fetches nothing), another one (a prompt's next token finds its   \
+                 * rows in cache) and no more than L2 keeps beside the one in hand */          \
+                const int64_t *next_table = split == 1 && next < items ? tables + next * table_stride : NULL; \
+                const int fetch_next = next_table != NULL && next_table[0] != table[0] &&     \
                                        lens[next] * row_bytes <= UPCOMING;                    \
                 const int64_t next_len = fetch_next ? lens[next] : 0;                         \
                 const void **upcoming = next_len > 0 ? malloc(sizeof(void *) * (size_t)next_len) : NULL; \

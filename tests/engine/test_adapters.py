@@ -324,11 +324,12 @@ def test_an_adapter_is_laid_out_for_the_pool_when_requested_and_its_host_copy_he
 ):
     """The request's thread lays the adapter out as the pool's pages hold it (so the engine
     thread loads it with one copy); the host copy's matrices are views of that image, not a
-    second copy; the pool then holds exactly the adapter's matrices."""
+    second copy; the pool then holds exactly the adapter's matrices as read from its file."""
     llm = make_llm(tiny_llama)
     engine = llm.engine
-    lora = LoRARequest("all", str(tiny_adapters["all-r2"]))
-    request = engine.make_request("the river", GREEDY, lora=lora)
+    path = str(tiny_adapters["all-r2"])
+    fresh = engine.catalog.read(path)  # another copy, never packed
+    request = engine.make_request("the river", GREEDY, lora=LoRARequest("all", path))
     weights = request.seqs[0].adapter.weights
     (packed,) = weights.packed.values()
     image = packed.image.untyped_storage().data_ptr()
@@ -339,6 +340,7 @@ def test_an_adapter_is_laid_out_for_the_pool_when_requested_and_its_host_copy_he
     while engine.has_unfinished():
         engine.step()
     resident = engine.adapters.resident[weights.content_hash]
-    for (kind, (layer, module)), tensor in matrices.items():
-        matrix = resident.a_matrix if kind == "a" else resident.b_matrix
-        assert torch.equal(matrix(layer, module), tensor), (kind, layer, module)
+    assert fresh.packed == {} and fresh.a.keys() == weights.a.keys()
+    for (layer, module), a in fresh.a.items():
+        assert torch.equal(resident.a_matrix(layer, module), a), (layer, module)
+        assert torch.equal(resident.b_matrix(layer, module), fresh.b[(layer, module)])

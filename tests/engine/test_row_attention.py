@@ -52,7 +52,7 @@ def test_prompt_tokens_attend_as_rows_of_the_kernel_in_bfloat16(tiny_llama, monk
         seen["prefill_rows"] += batch.num_row_queries - batch.num_decodes
         # a prompt chunk whose first row sees tokens computed in an earlier step or request
         seen["after_cache"] += any(
-            p > 0 and row >= batch.num_decodes and positions[row - 1] != p - 1
+            p > 0 and row >= batch.num_decodes and (row == 0 or positions[row - 1] != p - 1)
             for row, p in enumerate(positions)
         )
         seen["mixed"] += 0 < batch.num_decodes < batch.num_row_queries

@@ -1,5 +1,5 @@
 """Which adapters are resident in the page pool, who uses them, and which are pinned. Engine
-thread only (but for `pinned_pages` and `plan_pages`, which any thread may call).
+thread only (but for `pinned_pages`, `plan_pages` and `pack`, which any thread may call).
 
 An adapter is resident once, keyed by its content hash, whatever ids name it. Idle adapters (no
 running user, not pinned) stay resident as a cache and are evicted least recently used first,
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -140,6 +141,7 @@ class AdapterManager:
         # by content hash (the question is asked every step), and by the matrices' shapes
         self._layouts: dict[str, PageLayout] = {}
         self._shapes: dict[tuple, PageLayout] = {}
+        self._packing = threading.Lock()  # two requests for one new adapter pack it once
         self._clock = itertools.count(1)
         self.num_loads = 0
         self.num_evictions = 0
@@ -161,16 +163,18 @@ class AdapterManager:
         (so in the host cache), so that loading it on the engine thread is one copy. Safe from
         any thread: the engine packs an adapter when a request for it arrives."""
         key = (self.pool.page_numel, self.pool.data.dtype)
-        packed = weights.packed.get(key)
-        if packed is None:
-            matrices = {("a", k): t for k, t in weights.a.items()}
-            matrices.update({("b", k): t for k, t in weights.b.items()})
-            packed = pack(matrices, self._layout(weights), *key)
-            if next(iter(weights.a.values())).dtype == packed.image.dtype:
-                # the weights' matrices become views of the image: the host copy is held once
-                for (kind, k), view in packed.views().items():
-                    (weights.a if kind == "a" else weights.b)[k] = view
-            weights.packed[key] = packed
+        with self._packing:
+            packed = weights.packed.get(key)
+            if packed is None:
+                matrices = {("a", k): t for k, t in weights.a.items()}
+                matrices.update({("b", k): t for k, t in weights.b.items()})
+                packed = pack(matrices, self._layout(weights), *key)
+                if next(iter(weights.a.values())).dtype == packed.image.dtype:
+                    # the weights' matrices become views of the image, so the host copy is held
+                    # once (but for a matrix split across pages, and the last page's tail)
+                    for (kind, k), view in packed.views().items():
+                        (weights.a if kind == "a" else weights.b)[k] = view
+                weights.packed[key] = packed
         return packed
 
     def pinned_pages(self, besides: AdapterRef | None = None) -> int:
@@ -350,8 +354,9 @@ class AdapterManager:
         started = time.perf_counter()
         packed = self.pack(weights)  # packed already, unless it came by another way than a request
         pages = self.pool.allocate(packed.num_pages)
-        page_ids = torch.tensor(pages, dtype=torch.long)
-        self.pool.data.index_copy_(0, page_ids, packed.image)
+        page_ids = torch.tensor(pages, dtype=torch.long)  # host side: the offsets are
+        device = self.pool.data.device
+        self.pool.data.index_copy_(0, page_ids.to(device), packed.image.to(device))
         page_numel = self.pool.page_numel
         resident = ResidentAdapter(
             content_hash=weights.content_hash,
