@@ -826,8 +826,6 @@ void add_rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *
  * product, as torch's silu and multiply round. One pass instead of two ops and the temporary
  * between them. With AVX-512 the exp is a series (within 1e-7 relative of expf: it moves a
  * rounded silu by one bfloat16 step only at a rounding boundary). */
-static inline float silu_f32(float g) { return g / (1.0f + expf(-g)); }
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* exp of sixteen lanes, as exp8 computes eight (2^n e^r, e^r by its series to the 7th power),
  * but past 88 infinity, as expf gives (silu of a very negative gate is then -0, as torch's) */
@@ -868,6 +866,8 @@ static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
     }
 }
 #else
+static inline float silu_f32(float g) { return g / (1.0f + expf(-g)); }
+
 static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t inter) {
     for (int64_t k = 0; k < inter; k++) {
         const float silu = bf16_to_f32(f32_to_bf16(silu_f32(bf16_to_f32(g[k]))));

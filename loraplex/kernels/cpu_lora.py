@@ -325,8 +325,8 @@ class CpuArgmax:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
-        self._argmax = _bind(lib, "argmax_rows", argtypes, None, {torch.float32: "f32"})
-        self._argmax = self._argmax[torch.float32]
+        f32 = {torch.float32: "f32"}
+        self._argmax = _bind(lib, "argmax_rows", argtypes, None, f32)[torch.float32]
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """[n, vocab] -> int64 [n]; other dtypes and layouts (and empty rows) go to torch."""

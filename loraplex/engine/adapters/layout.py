@@ -55,6 +55,11 @@ def plan(shapes: list[tuple[int, int]], page_numel: int) -> tuple[int, list[list
 Matrix = tuple[str, tuple[int, str]]  # ("a" or "b", (layer, module))
 
 
+def chunk_rows(page: torch.Tensor, chunk: Chunk, width: int) -> torch.Tensor:
+    """[num_rows, width]: a view of the chunk's rows in `page`, the page it lies in (1-D)."""
+    return page[chunk.offset : chunk.offset + chunk.num_rows * width].view(chunk.num_rows, width)
+
+
 @dataclass(frozen=True)
 class PageLayout:
     """Where every row of an adapter's matrices lies in its pages: row i of a matrix at element
@@ -117,13 +122,11 @@ class PackedAdapter:
 
     def views(self) -> dict[Matrix, torch.Tensor]:
         """Each matrix that lies whole in one page, as a view of the image."""
-        page_numel, flat = self.image.shape[1], self.image.view(-1)
-        views = {}
-        for name, (width, chunks) in self.layout.matrices.items():
-            if len(chunks) == 1:
-                start = chunks[0].page * page_numel + chunks[0].offset
-                views[name] = flat[start : start + chunks[0].num_rows * width].view(-1, width)
-        return views
+        return {
+            name: chunk_rows(self.image[chunks[0].page], chunks[0], width)
+            for name, (width, chunks) in self.layout.matrices.items()
+            if len(chunks) == 1
+        }
 
 
 def pack(
@@ -131,11 +134,8 @@ def pack(
 ) -> PackedAdapter:
     """Copy each matrix to its places in a fresh image of the layout's pages."""
     image = torch.zeros(layout.num_pages, page_numel, dtype=dtype)
-    flat = image.view(-1)
     for name, (width, chunks) in layout.matrices.items():
-        tensor = matrices[name]
         for c in chunks:
-            start = c.page * page_numel + c.offset
-            rows = tensor[c.first_row : c.first_row + c.num_rows]
-            flat[start : start + c.num_rows * width].view(c.num_rows, width).copy_(rows)
+            rows = matrices[name][c.first_row : c.first_row + c.num_rows]
+            chunk_rows(image[c.page], c, width).copy_(rows)
     return PackedAdapter(image=image, layout=layout)

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.adapters.catalog import AdapterRef
-from loraplex.engine.adapters.layout import Chunk, Matrix, PackedAdapter, PageLayout, pack
+from loraplex.engine.adapters.layout import (
+    Chunk,
+    Matrix,
+    PackedAdapter,
+    PageLayout,
+    chunk_rows,
+    pack,
+)
 from loraplex.engine.adapters.peft_format import MODULES, LoRAWeights
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.errors import AdapterError, ErrorCode
@@ -45,8 +52,7 @@ class ResidentAdapter:
     rank: int
     scale: float
     pages: list[int]
-    pool: torch.Tensor  # the whole pool, flat
-    page_numel: int
+    pool: torch.Tensor  # the pool's pages, [num_pages, page_numel]
     layout: dict[Matrix, tuple[int, list[Chunk]]]  # PageLayout.matrices
     a_offsets: torch.Tensor  # [num_layers, num_modules, rank] flat pool offset of each A row
     b_offsets: torch.Tensor  # [num_layers, num_modules, rank]
@@ -94,10 +100,7 @@ class ResidentAdapter:
 
     def _matrix(self, name: Matrix) -> torch.Tensor:
         width, chunks = self.layout[name]
-        views = []
-        for c in chunks:
-            start = self.pages[c.page] * self.page_numel + c.offset
-            views.append(self.pool[start : start + c.num_rows * width].view(c.num_rows, width))
+        views = [chunk_rows(self.pool[self.pages[c.page]], c, width) for c in chunks]
         return views[0] if len(views) == 1 else torch.cat(views)
 
 
@@ -363,8 +366,7 @@ class AdapterManager:
             rank=weights.rank,
             scale=weights.scale,
             pages=pages,
-            pool=self.pool.data.view(-1),
-            page_numel=page_numel,
+            pool=self.pool.data,
             layout=packed.layout.matrices,
             a_offsets=page_ids[packed.layout.a_page] * page_numel + packed.layout.a_within,
             b_offsets=page_ids[packed.layout.b_page] * page_numel + packed.layout.b_within,
