@@ -57,14 +57,18 @@ def _libc() -> ctypes.CDLL:
 
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively, as the kernel reports it."""
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's flags as the kernel reports them (none where it does not)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+            return frozenset(next((ln for ln in cpuinfo if ln.startswith("flags")), "").split())
     except OSError:
-        return False
-    return any(flag in flags for flag in _NATIVE_BF16_FLAGS)
+        return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively, as the kernel reports it."""
+    return any(flag in _cpu_flags() for flag in _NATIVE_BF16_FLAGS)
 
 
 def choose_dtype(dtype: str, device: str) -> str:
@@ -147,18 +151,53 @@ def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 _PACKING_ROWS_HINT = 64
 
 
-class Linear:
-    """y = x W^T (+ b), with W stored however the device runs it fastest."""
+# The most rows the native bfloat16 projection takes; more (prompt chunks) go to oneDNN, whose
+# blocking wins there (256 rows: 0.77x oneDNN's speed; 64 rows: 0.97x; 32 rows: 1.05-1.14x with
+# weights from memory, measured over SmolLM2's 30 layers on a 2-core Zen 5).
+NATIVE_LINEAR_MAX_ROWS = 32
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.bias = bias
+
+def choose_linear_bf16(weight: torch.Tensor):
+    """The native bfloat16 projection (cpu_lora.CpuLinearBf16) for a bfloat16 CPU weight on a
+    CPU with AVX512-BF16 and no AMX, where it builds; None elsewhere: with AMX, oneDNN's tile
+    kernels (not measured against here); in float32, oneDNN's IEEE products.
+    LORAPLEX_ONEDNN_LINEAR=1 keeps oneDNN's alone."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        return None
+    if os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1" or "amx_bf16" in _cpu_flags():
+        return None
+    kernel = cpu_lora.load_linear()
+    return kernel if kernel is not None and kernel.supports(weight.dtype) else None
+
+
+class Linear:
+    """y = x W^T (+ b), with W stored however the device runs it fastest.
+
+    With `decode_kernel` and where choose_linear_bf16 offers it, batches of up to
+    NATIVE_LINEAR_MAX_ROWS rows (decode steps) go through the native bfloat16 projection, which
+    also brings the next LoRA call's adapter rows into cache while it computes (`fetch`); this
+    keeps a second copy of W, packed for it, beside oneDNN's for larger batches."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, decode_kernel: bool = True
+    ) -> None:
+        self.bias = bias.contiguous() if bias is not None else None
+        self.out_features = weight.shape[0]
         self._packed = None
+        self._native = choose_linear_bf16(weight) if decode_kernel else None
+        self._native_packed = self._native.pack(weight) if self._native is not None else None
         self.weight: torch.Tensor | None = weight
         if _use_onednn(weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS_HINT)
             self.weight = None  # the packed copy replaces it
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def fetches(self, x: torch.Tensor) -> bool:
+        """Whether the product of x goes through the native projection, which takes `fetch`."""
+        return self._native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS
+
+    def __call__(self, x: torch.Tensor, fetch: cpu_lora.Fetch | None = None) -> torch.Tensor:
+        if self.fetches(x):
+            return self._native(x, self._native_packed, self.out_features, self.bias, fetch)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -64,7 +64,8 @@ class CausalLM:
         self.embed = weights.embed  # [vocab, hidden]
         self.layers = [Layer.from_weights(w) for w in weights.layers]
         self.final_norm = weights.final_norm
-        self.lm_head = Linear(weights.lm_head)
+        # one pass over a vocabulary of rows: oneDNN streams them from memory faster
+        self.lm_head = Linear(weights.lm_head, decode_kernel=False)
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
         self._bf16_ops = choose_bf16_ops(device, dtype)
@@ -129,7 +130,7 @@ class CausalLM:
         sin: torch.Tensor,
     ) -> torch.Tensor:
         c = self.config
-        qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = layer.qkv(x, _lora_fetch(batch, index, self._qkv_modules, x, layer.qkv))
         _add_lora(batch, index, self._qkv_modules, x, qkv)
         if self._bf16_ops is not None:
             q = self._bf16_ops.rotate_and_write(
@@ -142,21 +143,33 @@ class CausalLM:
             k = self.rope.rotate(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
             write_kv(kv_cache, k, v.reshape(-1, c.num_kv_heads, c.head_dim), batch)
         attended = paged_attention(q, kv_cache, batch, self.scale).flatten(1)
-        out = layer.o(attended)
+        out = layer.o(attended, _lora_fetch(batch, index, self._o_modules, attended, layer.o))
         _add_lora(batch, index, self._o_modules, attended, out)
         return out
 
     def _mlp(self, index: int, layer: Layer, x: torch.Tensor, batch: ForwardBatch):
-        gate_up = layer.gate_up(x)
+        gate_up = layer.gate_up(
+            x, _lora_fetch(batch, index, self._gate_up_modules, x, layer.gate_up)
+        )
         _add_lora(batch, index, self._gate_up_modules, x, gate_up)
         if self._bf16_ops is not None:
             hidden = self._bf16_ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
-        out = layer.down(hidden)
+        out = layer.down(hidden, _lora_fetch(batch, index, self._down_modules, hidden, layer.down))
         _add_lora(batch, index, self._down_modules, hidden, out)
         return out
+
+
+def _lora_fetch(
+    batch: ForwardBatch, layer: int, modules: Modules, x: torch.Tensor, projection: Linear
+):
+    """The adapter rows `_add_lora` will read after `projection` of x, for the projection to
+    bring into cache meanwhile; None without LoRA or where the projection takes none."""
+    if batch.lora is None or not projection.fetches(x):
+        return None
+    return batch.lora.fetch(layer, modules, x.shape[-1])
 
 
 def _add_lora(

@@ -1,7 +1,8 @@
 /* The CPU kernels: batched LoRA (lora_apply_*), attention of one query row per token over the
  * paged KV cache (attend_decode_*: decode tokens, and prompt tokens in bfloat16), two small ops
- * of bfloat16 models (rms_norm_bf16, rope_write_bf16), and, at the end, greedy sampling's argmax
- * (argmax_rows_f32).
+ * of bfloat16 models (rms_norm_bf16, rope_write_bf16), greedy sampling's argmax
+ * (argmax_rows_f32), and, at the end, bfloat16 dense projections for decode steps on CPUs with
+ * AVX512-BF16 (linear_bf16), which bring the next LoRA call's adapter rows into cache.
  *
  * Batched LoRA on CPU: y[t] += scale[s] * (x[t] @ A_s^T) @ B_s for each token t of run s, every
  * adapter row read straight from the page pool, once per token (a token sorted next to tokens of
@@ -28,6 +29,7 @@
  * Arithmetic is float32 whatever the storage dtype; bfloat16 results are rounded to nearest even.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -976,3 +978,154 @@ void argmax_rows_f32(const float *x, int64_t n, int64_t vocab, int64_t row_strid
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 4)
     for (int64_t i = 0; i < n; i++) out[i] = argmax_row(x + i * row_stride, vocab);
 }
+
+/* bfloat16 dense projections on CPUs with AVX512-BF16 and no AMX: y = x W^T (+ bias), W packed
+ * once at load. oneDNN's kernels for these CPUs reach 440-740 GFLOP/s on a decode step's
+ * 32-row products of SmolLM2's shapes on a 2-core Zen 5; this one 800-890, and it fetches each
+ * thread's next block of W while it works on one, so W streams from memory at the pace of the
+ * arithmetic.
+ *
+ * Packed: W [n, k] (k even) as blocks of LINEAR_COLS output columns, each [k / 2][LINEAR_COLS][2]:
+ * the two weights of each column for inputs 2p and 2p + 1 side by side, which is the operand
+ * vdpbf16ps takes; columns past n are zeros. A tile of LINEAR_ROWS rows by one block keeps its
+ * 24 float32 sums in registers over all of k: per input pair, 6 loads of W and 4 broadcasts of
+ * x for 24 products of 32 pairs. Rows are rounded once to bfloat16 (with the bias added in
+ * float32 first). */
+#define LINEAR_COLS 96
+#define LINEAR_ROWS 4
+
+int64_t linear_packed_numel_bf16(int64_t n, int64_t k) {
+    return (n + LINEAR_COLS - 1) / LINEAR_COLS * LINEAR_COLS * k;
+}
+
+/* w [n, k] contiguous -> packed (linear_packed_numel_bf16 elements); 1 if k is odd */
+int linear_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    if (k % 2 != 0) return 1;
+    for (int64_t first = 0; first < n; first += LINEAR_COLS) {
+        uint16_t *block = packed + first * k;
+        for (int64_t p = 0; p < k / 2; p++)
+            for (int64_t c = 0; c < LINEAR_COLS; c++)
+                for (int64_t e = 0; e < 2; e++)
+                    block[(p * LINEAR_COLS + c) * 2 + e] =
+                        first + c < n ? w[(first + c) * k + 2 * p + e] : 0;
+    }
+    return 0;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+int linear_native_bf16(void) { return 1; }
+
+/* Memory ranges a thread brings into cache while it computes, `pace` lines a step of k: the
+ * rows of the adapters the next LoRA call reads (see linear_bf16). */
+typedef struct {
+    const int64_t *at, *bytes; /* each range's address and length */
+    int64_t next, end;         /* the thread's ranges left: next .. end */
+    int64_t offset, pace;      /* within range `next`; lines a step */
+} Ranges;
+
+static inline void fetch_ranges(Ranges *r) {
+    for (int64_t f = 0; f < r->pace && r->next < r->end; f++) {
+        __builtin_prefetch((const char *)r->at[r->next] + r->offset, 0, 2);
+        r->offset += 64;
+        if (r->offset >= r->bytes[r->next]) r->offset = 0, r->next++;
+    }
+}
+
+/* Rows x[0 .. rows) of one block: y[i][0 .. cols) = x[i] . W's columns. `fetch` is the thread's
+ * next block, brought into cache `pace` lines a step of k. */
+static inline __attribute__((always_inline)) void linear_tile(
+    const uint16_t *x, int64_t x_stride, const int rows, int64_t k, const uint16_t *block,
+    const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t cols, const char *fetch,
+    const char *fetch_end, int64_t pace, Ranges *extra) {
+    __m512 acc[LINEAR_ROWS][6];
+    for (int i = 0; i < LINEAR_ROWS; i++)
+        for (int c = 0; c < 6; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k / 2; p++) {
+        const uint16_t *w = block + p * LINEAR_COLS * 2;
+        __m512bh wv[6];
+        for (int c = 0; c < 6; c++) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * 32);
+        for (int64_t f = 0; f < pace && fetch < fetch_end; f++, fetch += 64)
+            __builtin_prefetch(fetch, 0, 2);
+        fetch_ranges(extra);
+        for (int i = 0; i < rows; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * x_stride + 2 * p, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < 6; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], xv, wv[c]);
+        }
+    }
+    for (int c = 0; c < 6 && c * 16 < cols; c++) {
+        const __mmask16 m = tail_mask(cols - c * 16);
+        const __m512 b = bias != NULL ? bf16x16(bias + c * 16, m) : _mm512_setzero_ps();
+        for (int i = 0; i < rows; i++) {
+            const __m512i r = _mm512_srli_epi32(round_bf16(_mm512_add_ps(acc[i][c], b)), 16);
+            _mm256_mask_storeu_epi16(y + i * y_stride + c * 16, m, _mm512_cvtepi32_epi16(r));
+        }
+    }
+}
+
+/* x [m, k] (rows x_stride apart) -> y [m, n] (rows y_stride apart); bias [n] or NULL. Work is
+ * (block, tile of rows) items in block order, split evenly between the threads, so each thread
+ * reads its run of blocks once from memory (a block stays in L2 across its row tiles).
+ *
+ * fetch_at, fetch_bytes [fetches]: memory ranges to bring into cache meanwhile (fetches may be
+ * 0), split between the threads in order as evenly as their count, and spread over each
+ * thread's work. The engine passes the adapter rows of the LoRA call that follows, in the
+ * order of its tokens: a decode step's dense products are bound by arithmetic and leave most
+ * of the memory bandwidth unused, and the LoRA kernel, which is bound by memory, then finds
+ * its rows in cache (each thread the rows of the tokens it takes, the kernel splitting tokens
+ * in halves as this splits ranges). */
+int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                int64_t fetches, int num_threads) {
+    if (k % 2 != 0) return 1;
+    const int64_t blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
+    const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS, items = blocks * tiles;
+    const int64_t block_numel = LINEAR_COLS * k, block_lines = block_numel * 2 / 64;
+    /* lines of the next block a step of k: all of it over this block's tiles */
+    const int64_t steps = tiles * (k / 2), pace = (block_lines + steps - 1) / steps;
+    const int threads = items < num_threads ? (int)items : num_threads;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t first = items * t / nt, last = items * (t + 1) / nt;
+        Ranges extra = {fetch_at, fetch_bytes, fetches * t / nt, fetches * (t + 1) / nt, 0, 0};
+        int64_t lines = 0;
+        for (int64_t i = extra.next; i < extra.end; i++) lines += (fetch_bytes[i] + 63) / 64;
+        const int64_t thread_steps = (last - first) * (k / 2);
+        extra.pace = thread_steps > 0 ? (lines + thread_steps - 1) / thread_steps : 0;
+        for (int64_t item = first; item < last; item++) {
+            const int64_t b = item / tiles, tile = item % tiles;
+            const int64_t row = tile * LINEAR_ROWS, col = b * LINEAR_COLS;
+            const int rows = m - row < LINEAR_ROWS ? (int)(m - row) : LINEAR_ROWS;
+            const int64_t cols = n - col < LINEAR_COLS ? n - col : LINEAR_COLS;
+            const int fetch = b + 1 < blocks && (last - 1) / tiles > b;
+            const char *next = (const char *)(packed + (b + 1) * block_numel);
+            const char *from = fetch ? next + tile * (k / 2) * pace * 64 : NULL;
+            const char *to = fetch ? next + block_numel * 2 : NULL;
+            const uint16_t *xr = x + row * x_stride, *block = packed + b * block_numel;
+            const uint16_t *bias_b = bias != NULL ? bias + col : NULL;
+            uint16_t *yr = y + row * y_stride + col;
+            switch (rows) { /* the tile specialised for each row count */
+            case 4: linear_tile(xr, x_stride, 4, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
+            case 3: linear_tile(xr, x_stride, 3, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
+            case 2: linear_tile(xr, x_stride, 2, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
+            default: linear_tile(xr, x_stride, 1, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra);
+            }
+        }
+    }
+    return 0;
+}
+#else
+int linear_native_bf16(void) { return 0; }
+
+int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                int64_t fetches, int num_threads) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
+    (void)y_stride, (void)fetch_at, (void)fetch_bytes, (void)fetches, (void)num_threads;
+    return 2;
+}
+#endif

@@ -2,7 +2,9 @@
 ctypes. The LoRA kernel is called once per (layer, projection input, group of runs): q, k and v
 in one call, gate and up in one; the attention kernel (`CpuAttentionKernel`: decode tokens, and
 in bfloat16 prompt tokens too) once per layer, as are a bfloat16 model's norms and rotary
-embedding (`CpuBf16Ops`); greedy sampling's argmax (`CpuArgmax`) once per step.
+embedding (`CpuBf16Ops`); greedy sampling's argmax (`CpuArgmax`) once per step; on CPUs with
+AVX512-BF16, a bfloat16 decode step's dense projections (`CpuLinearBf16`), each bringing the
+adapter rows of the LoRA call after it into cache while it computes (`Fetch`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -341,7 +343,77 @@ class CpuArgmax:
         return out
 
 
+class Fetch:
+    """Memory ranges for a dense projection to bring into cache while it computes: addresses
+    and lengths in bytes (int64, contiguous), split between the threads in order."""
+
+    def __init__(self, at: torch.Tensor, nbytes: torch.Tensor) -> None:
+        self.at, self.bytes, self.count = at.contiguous(), nbytes.contiguous(), at.numel()
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+
+class CpuLinearBf16(_PerDtype):
+    """bfloat16 dense projections on CPUs with AVX512-BF16 (cpu_kernels.c): y = x W^T (+ b) with
+    W packed once. It supports bfloat16 only where the library was compiled for AVX512-BF16,
+    and nothing elsewhere."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        native = bool(lib.linear_native_bf16())
+        self._functions = {torch.bfloat16: lib.linear_bf16} if native else {}
+        lib.linear_packed_numel_bf16.argtypes = [ctypes.c_int64] * 2
+        lib.linear_packed_numel_bf16.restype = ctypes.c_int64
+        self._numel = lib.linear_packed_numel_bf16
+        self._pack = lib.linear_pack_bf16
+        self._pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._pack.restype = ctypes.c_int
+        self._linear = lib.linear_bf16
+        self._linear.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+        self._linear.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 2
+        self._linear.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        self._linear.argtypes += [ctypes.c_int64, ctypes.c_int]
+        self._linear.restype = ctypes.c_int
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [n, k] bfloat16 (k even) -> its packed copy, 1-D."""
+        n, k = weight.shape
+        if weight.dtype != torch.bfloat16 or k % 2:
+            raise ValueError("the packed bfloat16 projection takes a bfloat16 [n, k], k even")
+        weight = weight.contiguous()
+        packed = torch.empty(self._numel(n, k), dtype=torch.bfloat16)
+        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        fetch: Fetch | None = None,
+    ) -> torch.Tensor:
+        """x [..., k] bfloat16 -> [..., n] bfloat16; the memory ranges of `fetch` brought into
+        cache meanwhile."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+        if x2.shape[0]:
+            status = self._linear(
+                x2.data_ptr(), x2.stride(0), x2.shape[0], k, packed.data_ptr(), n,
+                bias.data_ptr() if bias is not None else None, y.data_ptr(), n,
+                fetch.at.data_ptr() if fetch else None, fetch.bytes.data_ptr() if fetch else None,
+                fetch.count if fetch else 0, torch.get_num_threads(),
+            )  # fmt: skip
+            if status != 0:
+                raise ValueError(f"the packed bfloat16 projection cannot run here ({status})")
+        return y.view(*lead, n)
+
+
 load = _loader(CpuLoRAKernel)
 load_attention = _loader(CpuAttentionKernel)
 load_bf16_ops = _loader(CpuBf16Ops)
 load_argmax = _loader(CpuArgmax)
+load_linear = _loader(CpuLinearBf16)

@@ -140,6 +140,7 @@ class TorchLoRA:
         self.pool = pool.view(-1)
         self.kernel = kernel
         self._windows: dict[int, torch.Tensor] = {}
+        self._fetches: dict[tuple[int, Modules], cpu_lora.Fetch | None] = {}
         self.spans: list[TokenRun] = []
         grouped: list[TokenRun] = []
         for start, end, adapter in _split_at(adapter_runs(token_adapters), num_decodes):
@@ -182,6 +183,35 @@ class TorchLoRA:
                 v = x[start:end] @ adapter.a_matrix(layer, module).T  # [len, rank]
                 out = y[start:end, first : first + width]
                 out.addmm_(v, adapter.b_matrix(layer, module), alpha=adapter.scale)
+
+    def fetch(self, layer: int, modules: Modules, in_features: int) -> cpu_lora.Fetch | None:
+        """The pool rows the native kernel reads for `modules` of `layer` (every run's A and B^T
+        rows, run after run, in the kernel's order), for the projection before it to bring into
+        cache; None without the kernel or rows."""
+        if self.kernel is None:
+            return None
+        key = (layer, modules)
+        if key not in self._fetches:
+            self._fetches[key] = self._fetch_ranges(layer, modules, in_features)
+        return self._fetches[key]
+
+    def _fetch_ranges(self, layer: int, modules: Modules, in_features: int):
+        at, nbytes = [], []
+        base, size = self.pool.data_ptr(), self.pool.element_size()
+        for g in self.groups:
+            outputs = _kernel_outputs(g.targets, layer, modules)
+            if outputs is None or g.rank > cpu_lora.MAX_RANK:
+                continue
+            runs = g.a_rows.shape[2] // g.rank
+            # [runs, modules, A or B, rank]: a run's rows of every module together
+            rows = torch.stack([g.a_rows[layer, outputs.rows], g.b_rows[layer, outputs.rows]], 1)
+            rows = rows.view(outputs.count, 2, runs, g.rank).permute(2, 0, 1, 3)
+            widths = torch.stack([torch.full_like(outputs.widths, in_features), outputs.widths], 1)
+            at.append((base + rows * size).flatten())
+            nbytes.append((widths * size).view(1, -1, 2, 1).expand_as(rows).flatten())
+        if not at:
+            return None
+        return cpu_lora.Fetch(torch.cat(at), torch.cat(nbytes))
 
     def _gather(self, name: str, rows: torch.Tensor, width: int) -> torch.Tensor:
         """[len(rows), width]: pool rows starting at the given offsets, in a reused buffer."""
@@ -257,6 +287,10 @@ class KernelLoRA:
         self.shrink = lora_shrink_triton if use_triton else lora_shrink_reference
         self.expand = lora_expand_triton if use_triton else lora_expand_reference
         self._build_tables(adapters, device)
+
+    def fetch(self, layer: int, modules: Modules, in_features: int) -> None:
+        """Nothing to bring into cache ahead: the kernels run on a GPU."""
+        return None
 
     def _build_tables(self, adapters: list[ResidentAdapter], device) -> None:
         num_layers, num_modules = adapters[0].has_module.shape if adapters else (0, 0)

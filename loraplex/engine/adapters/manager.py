@@ -337,10 +337,12 @@ class AdapterManager:
         if layout is None:
             if len(self._layouts) > 4096:
                 self._layouts.clear()
-            # A then B of each (layer, module), in order
+            # A then B of each (layer, module), layer by layer and in the forward pass's order
+            # of modules: the rows one LoRA call reads for a token (q, k and v; gate and up)
+            # lie together, and so do the calls that follow
             shapes = [
                 ((kind, key), tuple(table[key].shape))
-                for key in sorted(weights.a)
+                for key in sorted(weights.a, key=lambda k: (k[0], MODULES.index(k[1])))
                 for kind, table in (("a", weights.a), ("b", weights.b))
             ]
             signature = tuple(shapes)

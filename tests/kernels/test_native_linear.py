@@ -1,0 +1,99 @@
+"""The native bfloat16 projection (CPUs with AVX512-BF16 and no AMX): the product rounded once,
+whatever the shape; decode-sized batches take it and larger ones oneDNN, with the same results
+to a rounding step; and the adapter rows it is asked to bring into cache are exactly those the
+LoRA call after it reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex import LoRARequest, SamplingParams
+from loraplex.engine import device
+from loraplex.engine.adapters.lora_batch import TorchLoRA
+from loraplex.engine.workspace import Workspace
+from loraplex.kernels import cpu_lora
+from tests.factories import make_llm
+
+pytestmark = pytest.mark.skipif(
+    device.choose_linear_bf16(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
+    reason="the native bfloat16 projection does not run on this CPU",
+)
+STEP = 2.0**-7  # a bfloat16 rounding step, relative
+
+
+def reference(x, weight, bias):
+    """The float32 product (and bias), rounded once to bfloat16."""
+    y = x.float() @ weight.float().T
+    return (y + bias.float() if bias is not None else y).bfloat16()
+
+
+def assert_within_a_rounding_step(got, want):
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    gap = (got.float() - want.float()).abs()
+    assert bool((gap <= STEP * want.float().abs() + 1e-6).all()), float(gap.max())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 31, 32])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 64), (17, 18), (97, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_projection_is_the_product_rounded_once(rows, out_features, in_features, with_bias):
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = (torch.randn(out_features, in_features) * 0.2).bfloat16()
+    bias = torch.randn(out_features).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_features).bfloat16()
+    linear = device.Linear(weight, bias)
+    assert linear._native is not None
+    assert_within_a_rounding_step(linear(x), reference(x, weight, bias))
+
+
+def test_rows_a_stride_apart_and_larger_batches_agree():
+    torch.manual_seed(0)
+    weight = (torch.randn(300, 128) * 0.2).bfloat16()
+    linear = device.Linear(weight)
+    wide = torch.randn(70, 256).bfloat16()
+    x = wide[:, :128]  # rows 256 apart
+    assert_within_a_rounding_step(linear(x[:32]), reference(x[:32], weight, None))
+    # past NATIVE_LINEAR_MAX_ROWS: oneDNN's kernels
+    assert_within_a_rounding_step(linear(x), reference(x, weight, None))
+
+
+def test_odd_input_width_keeps_onednn():
+    weight = torch.randn(8, 7).bfloat16()
+    assert device.choose_linear_bf16(weight) is None
+    x = torch.randn(3, 7).bfloat16()
+    assert_within_a_rounding_step(device.Linear(weight)(x), reference(x, weight, None))
+
+
+def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adapters):
+    """For a decode batch over several adapters (different ranks and modules), the ranges a
+    projection fetches for a LoRA call are each token's adapter rows for the call's modules, in
+    the kernel's order: A rows then B^T rows, module after module, token after token."""
+    llm = make_llm(tiny_llama, dtype="bfloat16")
+    engine = llm.engine
+    names = ["qv-r4", "attn-r8", "qkv-r8", "all-r2", "qv-r4"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    for i, name in enumerate(names):
+        lora = LoRARequest(name, str(tiny_adapters[name]))
+        engine.add_request(engine.make_request(f"prompt {i}", greedy, lora=lora))
+    while engine.has_unfinished():  # loads them; they stay resident
+        engine.step()
+    hashes = [engine.catalog.read(str(tiny_adapters[name])).content_hash for name in names]
+    token_adapters = [engine.adapters.resident[h] for h in hashes]
+    kernel = cpu_lora.load()
+    pool = engine.adapters.pool.data
+    lora = TorchLoRA(token_adapters, len(token_adapters), pool, Workspace("cpu"), kernel)
+    c = engine.model_config
+    modules = (("q_proj", 0, c.q_size), ("k_proj", c.q_size, c.kv_size),
+               ("v_proj", c.q_size + c.kv_size, c.kv_size))  # fmt: skip
+    for layer in range(c.num_layers):
+        fetch = lora.fetch(layer, modules, c.hidden_size)
+        got = list(zip(fetch.at.tolist(), fetch.bytes.tolist(), strict=True))
+        want = []
+        for group in lora.groups:  # the kernel's order: group by group, token by token
+            for adapter in token_adapters[group.start : group.end]:
+                for module, _, _ in modules:
+                    if (layer, module) in adapter.targets:
+                        for m in (adapter.a_matrix(layer, module), adapter.b_matrix(layer, module)):
+                            want += [(row.data_ptr(), row.nbytes) for row in m]
+        assert got == want, layer
