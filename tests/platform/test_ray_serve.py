@@ -263,12 +263,15 @@ def test_limits_and_revocations_hold_across_ingress_replicas(cluster):
             complete(cluster, other, "llama", "hi", 2)
 
 
-async def stream(client: httpx.AsyncClient, url: str, key: str, model: str, i: int) -> dict:
-    """One streamed chat completion -> its status, events and how it ended."""
+async def stream(
+    client: httpx.AsyncClient, url: str, key: str, model: str, i: int, started: set | None = None
+) -> dict:
+    """One streamed chat completion -> its status, events and how it ended; `i` joins
+    `started` once its first event has arrived."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"story {i}"}],
-        "max_tokens": 160,
+        "max_tokens": 400,  # long enough to be under way whatever the CPU
         "stream": True,
         "ignore_eos": True,
     }
@@ -279,6 +282,8 @@ async def stream(client: httpx.AsyncClient, url: str, key: str, model: str, i: i
         async for line in reply.aiter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
+                if started is not None:
+                    started.add(i)
         status = reply.status_code
     errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
     tokens = sum(
@@ -298,13 +303,16 @@ def test_a_replica_killed_mid_run_fails_only_its_streams_and_is_replaced(cluster
     replicas_before = set(by_replica(cluster))
     url = f"{cluster.api}/chat/completions"
     killed_at = 0.0
+    under_way: set[int] = set()
 
     async def run() -> tuple[list[dict], list[dict]]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(60)) as client:
             running = [
-                asyncio.create_task(stream(client, url, key, ADAPTERS[i % 6], i)) for i in range(8)
+                asyncio.create_task(stream(client, url, key, ADAPTERS[i % 6], i, under_way))
+                for i in range(8)
             ]
-            await asyncio.sleep(1.0)  # the streams are under way
+            while len(under_way) < 8:  # every stream under way (a fixed pause ran past the fast)
+                await asyncio.sleep(0.01)
             nonlocal killed_at
             os.kill(replica_pids()[0], signal.SIGKILL)
             killed_at = time.monotonic()
