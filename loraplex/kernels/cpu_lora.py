@@ -169,25 +169,68 @@ class CpuLoRAKernel(_PerDtype):
         slots[t], with run s's rows of module row m at a_rows[m, s*rank : (s+1)*rank] and
         b_rows[...] in the flat pool (int64, rows contiguous, as is slots; a 1-D table is one
         module); scales float32 [runs]. Same dtype for x, y and pool."""
-        n, fin = x.shape
-        if n == 0:
-            return
-        if x.stride(1) != 1 or y.stride(1) != 1 or a_rows.stride(-1) != 1:
-            raise ValueError("x, y and the row tables need unit column stride")
+        if x.shape[0] != y.shape[0]:
+            raise ValueError("x and y differ in rows")
         outputs = outputs or Outputs.whole(y.shape[1])
-        tables = a_rows.shape[0] if a_rows.dim() == 2 else 1
-        if outputs.end > y.shape[1] or outputs.table_rows > tables:
-            raise ValueError("the outputs do not fit y or the row tables")
+        self.bind(pool, a_rows, b_rows, slots, rank, scales, outputs, 0, x.shape[0])(x, y)
+
+    def bind(
+        self,
+        pool: torch.Tensor,
+        a_rows: torch.Tensor,
+        b_rows: torch.Tensor,
+        slots: torch.Tensor,
+        rank: int,
+        scales: torch.Tensor,
+        outputs: Outputs,
+        start: int,
+        end: int,
+    ) -> BoundLoRA:
+        """`apply` to rows start..end of x and y (slots, one per row of that range), as a call
+        of (x, y) alone: everything else checked and converted here once. The engine binds each
+        (layer, projection) once per batch composition and calls it every layer of every step,
+        where apply's checks and conversions cost as much as a third of the kernel's time."""
+        if rank > MAX_RANK:
+            raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")
+        if a_rows.stride(-1) != 1 or slots.numel() != end - start:
+            raise ValueError("the row tables need unit column stride, and one slot a row")
+        if outputs.table_rows > (a_rows.shape[0] if a_rows.dim() == 2 else 1):
+            raise ValueError("the outputs do not fit the row tables")
         if a_rows.shape != b_rows.shape or a_rows.stride() != b_rows.stride():
             raise ValueError("a_rows and b_rows differ in layout")
-        status = self._functions[pool.dtype](
-            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), n, fin, outputs.count,
-            outputs.rows.data_ptr(), outputs.columns.data_ptr(), outputs.widths.data_ptr(),
-            pool.data_ptr(), a_rows.data_ptr(), b_rows.data_ptr(), a_rows.stride(0),
-            slots.data_ptr(), rank, scales.data_ptr(), torch.get_num_threads(),
+        function = self._functions[pool.dtype]
+        tables = (pool, a_rows, b_rows, slots, rank, scales, outputs)
+        return BoundLoRA(function, *tables, start, end)
+
+
+class BoundLoRA:
+    """CpuLoRAKernel.bind's call: the kernel on rows start..end of x and y, its other arguments
+    converted once (and their tensors held as long as the call)."""
+
+    def __init__(self, function, pool, a_rows, b_rows, slots, rank, scales, outputs, start, end):
+        self._function, self._dtype, self._size = function, pool.dtype, pool.element_size()
+        self._start, self._end, self._columns = start, end, outputs.end
+        self._tensors = (pool, a_rows, b_rows, slots, scales, outputs)
+        self._tail = (
+            outputs.count, outputs.rows.data_ptr(), outputs.columns.data_ptr(),
+            outputs.widths.data_ptr(), pool.data_ptr(), a_rows.data_ptr(), b_rows.data_ptr(),
+            a_rows.stride(0), slots.data_ptr(), rank, scales.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        if status != 0:
-            raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        start, end = self._start, self._end
+        if x.stride(1) != 1 or y.stride(1) != 1 or min(x.shape[0], y.shape[0]) < end:
+            raise ValueError("x and y need unit column stride and the bound rows")
+        if y.shape[1] < self._columns or x.dtype != self._dtype or y.dtype != self._dtype:
+            raise ValueError("the outputs do not fit y, or x, y and the pool differ in dtype")
+        if end == start:
+            return
+        rows_x, rows_y = x.stride(0), y.stride(0)
+        self._function(
+            x.data_ptr() + start * rows_x * self._size, rows_x,
+            y.data_ptr() + start * rows_y * self._size, rows_y, end - start, x.shape[1],
+            *self._tail,
+        )  # fmt: skip
 
 
 _ATTENTION_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]

@@ -240,11 +240,10 @@ def test_native_cpu_kernel_writes_a_column_slice_of_a_wider_output():
     assert torch.equal(fused[:, :70], ref[:, :70]) and torch.equal(fused[:, 330:], ref[:, 330:])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtype, kernel_build):
-    """As the engine calls it for q, k and v: one input, the modules' outputs side by side in one
-    row, module rows picked from the [modules, runs * rank] tables; k left out (an adapter that
-    does not target it) keeps its columns as they were."""
+def three_modules_case(dtype: torch.dtype):
+    """q, k and v as the engine calls them: one input, the modules' outputs side by side in one
+    row, module rows picked from the [modules, runs * rank] tables; four runs, the last a
+    prefill span of three tokens."""
     rng, rank, fin, widths = random.Random(9), 8, 600, (520, 40, 40)
     pools = [scattered_pool(rng, [rank, rank], fin, width, dtype) for width in widths]
     shift = [0, pools[0][0].numel(), pools[0][0].numel() + pools[1][0].numel()]
@@ -260,6 +259,17 @@ def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtyp
     x = torch.randn(6, fin).to(dtype)
     y = torch.randn(6, sum(widths)).to(dtype)
     columns = [0, widths[0], widths[0] + widths[1]]
+    tables = (pool, a_rows, b_rows, slots, rank, scales)
+    return x, y, tables, widths, columns
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtype, kernel_build):
+    """q and v in one call; k left out (an adapter that does not target it) keeps its columns
+    as they were."""
+    x, y, tables, widths, columns = three_modules_case(dtype)
+    pool, a_rows, b_rows, slots, rank, scales = tables
+    fin = x.shape[1]
     got = y.clone()
     outputs = cpu_lora.Outputs([(0, columns[0], widths[0]), (2, columns[2], widths[2])])
     kernel_build.apply(x, got, pool, a_rows, b_rows, slots, rank, scales, outputs)
@@ -278,6 +288,31 @@ def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtyp
         kernel_build.apply(x, got[:, :500], pool, a_rows, b_rows, slots, rank, scales, outputs)
     with pytest.raises(ValueError, match="do not fit"):
         kernel_build.apply(x, got, pool, a_rows[:2], b_rows[:2], slots, rank, scales, outputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_bound_call_changes_its_rows_as_apply_does_every_time_it_is_called(dtype, kernel_build):
+    """The engine binds a call once per batch and layer and makes it every step: bound to rows
+    2..6 (their slots), it changes exactly those rows, bit for bit as apply on those rows does,
+    each time; a call that does not fit is refused."""
+    x, y, (pool, a_rows, b_rows, slots, rank, scales), widths, columns = three_modules_case(dtype)
+    outputs = cpu_lora.Outputs([(0, columns[0], widths[0]), (2, columns[2], widths[2])])
+    runs = a_rows[:, rank:]  # rows 2..6 are runs 1..3 of the tables
+    bound = kernel_build.bind(
+        pool, runs, b_rows[:, rank:], slots[2:] - 1, rank, scales[1:], outputs, 2, 6
+    )
+    want, got = y.clone(), y.clone()
+    for _ in range(2):
+        kernel_build.apply(x[2:], want[2:], pool, a_rows, b_rows, slots[2:], rank, scales, outputs)
+        bound(x, got)
+        assert torch.equal(got, want) and not torch.equal(got[2:], y[2:])
+    assert torch.equal(got[:2], y[:2])
+    with pytest.raises(ValueError, match="bound rows"):
+        bound(x[:5], got)
+    with pytest.raises(ValueError, match="dtype"):
+        bound(x.double(), got)
+    with pytest.raises(ValueError, match="one slot a row"):
+        kernel_build.bind(pool, runs, b_rows[:, rank:], slots[3:], rank, scales, outputs, 2, 6)
 
 
 @pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])

@@ -19,6 +19,7 @@ Two ways to apply them, with the same result:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,7 @@ class TorchLoRA:
         self.kernel = kernel
         self._windows: dict[int, torch.Tensor] = {}
         self._fetches: dict[tuple[int, Modules], cpu_lora.Fetch | None] = {}
+        self._calls: dict[tuple[int, Modules], tuple[Callable, ...]] = {}
         self.spans: list[TokenRun] = []
         grouped: list[TokenRun] = []
         for start, end, adapter in _split_at(adapter_runs(token_adapters), num_decodes):
@@ -155,27 +157,51 @@ class TorchLoRA:
         self.groups = [RunGroup.of(g) for g in _split_by_shape(grouped)]
 
     def add(self, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor) -> None:
+        calls = self._calls.get((layer, modules))
+        if calls is None:
+            calls = self._calls[(layer, modules)] = self._bind(layer, modules)
+        for call in calls:
+            call(x, y)
+
+    def _bind(self, layer: int, modules: Modules) -> tuple[Callable, ...]:
+        """The calls of (x, y) that add `modules`' deltas in `layer`: one a group, native
+        kernel calls with their arguments converted once (a step makes four a layer, and the
+        same ones again every step of an unchanged batch), and one for the long spans."""
+        calls: list[Callable] = []
         for g in self.groups:
             outputs = _kernel_outputs(g.targets, layer, modules)
             if outputs is None:
                 continue
             if self.kernel is not None and g.rank <= cpu_lora.MAX_RANK:
-                rows = slice(g.start, g.end)
-                self.kernel.apply(
-                    x[rows], y[rows], self.pool, g.a_rows[layer], g.b_rows[layer], g.slots,
-                    g.rank, g.scales, outputs,
-                )  # fmt: skip
+                tables = (self.pool, g.a_rows[layer], g.b_rows[layer], g.slots, g.rank, g.scales)
+                calls.append(self.kernel.bind(*tables, outputs, g.start, g.end))
+            else:
+                calls.append(functools.partial(self._gathered, g, layer, modules))
+        if any(
+            (layer, module) in adapter.targets
+            for *_, adapter in self.spans
+            for module, *_ in modules
+        ):
+            calls.append(functools.partial(self._spans, layer, modules))
+        return tuple(calls)
+
+    def _gathered(
+        self, g: RunGroup, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor
+    ) -> None:
+        """Decode tokens, one a run: every token's rows gathered, two batched matmuls."""
+        n = g.end - g.start
+        for module, first, width in modules:
+            if (layer, module) not in g.targets:
                 continue
-            n = g.end - g.start  # one token per run here
-            for module, first, width in modules:
-                if (layer, module) not in g.targets:
-                    continue
-                m = MODULE_INDEX[module]
-                a = self._gather("lora_a", g.a_rows[layer, m], x.shape[1]).view(n, g.rank, -1)
-                v = torch.bmm(x[g.start : g.end].unsqueeze(1), a.transpose(1, 2))
-                v.mul_(g.scales.view(-1, 1, 1))
-                b = self._gather("lora_b", g.b_rows[layer, m], width).view(n, g.rank, -1)
-                y[g.start : g.end, first : first + width].add_(torch.bmm(v, b).squeeze(1))
+            m = MODULE_INDEX[module]
+            a = self._gather("lora_a", g.a_rows[layer, m], x.shape[1]).view(n, g.rank, -1)
+            v = torch.bmm(x[g.start : g.end].unsqueeze(1), a.transpose(1, 2))
+            v.mul_(g.scales.view(-1, 1, 1))
+            b = self._gather("lora_b", g.b_rows[layer, m], width).view(n, g.rank, -1)
+            y[g.start : g.end, first : first + width].add_(torch.bmm(v, b).squeeze(1))
+
+    def _spans(self, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Long prefill spans: two matmuls a module on views of the adapter's pages."""
         for start, end, adapter in self.spans:
             for module, first, width in modules:
                 if (layer, module) not in adapter.targets:
