@@ -188,8 +188,9 @@ class CpuLoRAKernel(_PerDtype):
     ) -> BoundLoRA:
         """`apply` to rows start..end of x and y (slots, one per row of that range), as a call
         of (x, y) alone: everything else checked and converted here once. The engine binds each
-        (layer, projection) once per batch composition and calls it every layer of every step,
-        where apply's checks and conversions cost as much as a third of the kernel's time."""
+        (layer, projection) once per batch composition and calls it every layer of every step:
+        with the rows in cache, a q,v call of 32 tokens takes about 15 us in C, and apply's
+        checks and conversions, with the engine's slicing of the rows, added about 5 us."""
         if rank > MAX_RANK:
             raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")
         if a_rows.stride(-1) != 1 or slots.numel() != end - start:
