@@ -56,19 +56,9 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's flags as the kernel reports them (none where it does not)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return frozenset(next((ln for ln in cpuinfo if ln.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
-
-
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively, as the kernel reports it."""
-    return any(flag in _cpu_flags() for flag in _NATIVE_BF16_FLAGS)
+    return any(flag in cpu_lora.cpu_flags() for flag in _NATIVE_BF16_FLAGS)
 
 
 def choose_dtype(dtype: str, device: str) -> str:
@@ -164,7 +154,7 @@ def choose_linear_bf16(weight: torch.Tensor):
     LORAPLEX_ONEDNN_LINEAR=1 keeps oneDNN's alone."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return None
-    if os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1" or "amx_bf16" in _cpu_flags():
+    if os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1" or "amx_bf16" in cpu_lora.cpu_flags():
         return None
     kernel = cpu_lora.load_linear()
     return kernel if kernel is not None and kernel.supports(weight.dtype) else None

@@ -271,6 +271,11 @@ static inline __m512i round_bf16(__m512 f) {
     return _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x00400000));
 }
 
+/* the sixteen lanes (m of them) rounded to bfloat16 and stored at p */
+static inline void store_bf16x16(uint16_t *p, __mmask16 m, __m512 f) {
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16(f), 16)));
+}
+
 /* out[j] = x . rows[j] (n elements) for j < 4 */
 static inline void shrink4_bf16(const uint16_t *x, const uint16_t *const *rows,
                                 const uint16_t *const *ahead, int64_t n, float *out) {
@@ -848,23 +853,17 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 static inline __m512 rounded_bf16(__m512 f) {
     return _mm512_castsi512_ps(_mm512_and_si512(round_bf16(f), _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t inter) {
     for (int64_t k = 0; k < inter; k += 16) {
-        const __mmask16 m = inter - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (inter - k)) - 1u);
-        const __m512 gate = load_bf16x16(g + k, m);
+        const __mmask16 m = tail_mask(inter - k);
+        const __m512 gate = bf16x16(g + k, m);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
         const __m512 silu = rounded_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-        const __m512 product = _mm512_mul_ps(silu, load_bf16x16(u + k, m));
-        _mm256_mask_storeu_epi16(o + k, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16(product), 16)));
+        store_bf16x16(o + k, m, _mm512_mul_ps(silu, bf16x16(u + k, m)));
     }
 }
 #else
@@ -1057,10 +1056,8 @@ static inline __attribute__((always_inline)) void linear_tile(
     for (int c = 0; c < 6 && c * 16 < cols; c++) {
         const __mmask16 m = tail_mask(cols - c * 16);
         const __m512 b = bias != NULL ? bf16x16(bias + c * 16, m) : _mm512_setzero_ps();
-        for (int i = 0; i < rows; i++) {
-            const __m512i r = _mm512_srli_epi32(round_bf16(_mm512_add_ps(acc[i][c], b)), 16);
-            _mm256_mask_storeu_epi16(y + i * y_stride + c * 16, m, _mm512_cvtepi32_epi16(r));
-        }
+        for (int i = 0; i < rows; i++)
+            store_bf16x16(y + i * y_stride + c * 16, m, _mm512_add_ps(acc[i][c], b));
     }
 }
 

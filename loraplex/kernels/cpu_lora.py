@@ -51,16 +51,22 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags as the kernel reports them (none where it does not)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return frozenset(next((ln for ln in cpuinfo if ln.startswith("flags")), "").split())
+    except OSError:
+        return frozenset()
+
+
 def _build_key(compiler: str) -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
     digest.update(" ".join(FLAGS).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
     digest.update(version.stdout.encode())
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            digest.update(next((ln for ln in cpuinfo if ln.startswith("flags")), "").encode())
-    except OSError:
-        pass
+    digest.update(" ".join(sorted(cpu_flags())).encode())  # -march=native compiles for them
     return digest.hexdigest()[:16]
 
 
@@ -142,37 +148,10 @@ class Outputs:
         self.table_rows = max(row for row, _, _ in parts) + 1  # rows of the tables it reads
         self.end = max(start + width for _, start, width in parts)  # columns of y it writes
 
-    @classmethod
-    def whole(cls, width: int) -> Outputs:
-        """One module, row 0 of the tables, onto every column of y."""
-        return cls([(0, 0, width)])
-
 
 class CpuLoRAKernel(_PerDtype):
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._functions = _bind(lib, "lora_apply", _ARGTYPES, ctypes.c_int)
-
-    def apply(
-        self,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        pool: torch.Tensor,
-        a_rows: torch.Tensor,
-        b_rows: torch.Tensor,
-        slots: torch.Tensor,
-        rank: int,
-        scales: torch.Tensor,
-        outputs: Outputs | None = None,
-    ) -> None:
-        """y[t, cols_i] += scales[s] * (x[t] @ A_s,i^T) @ B_s,i for every row t of x and y (2-D,
-        unit column stride) and every output i (default: one module onto all of y), s =
-        slots[t], with run s's rows of module row m at a_rows[m, s*rank : (s+1)*rank] and
-        b_rows[...] in the flat pool (int64, rows contiguous, as is slots; a 1-D table is one
-        module); scales float32 [runs]. Same dtype for x, y and pool."""
-        if x.shape[0] != y.shape[0]:
-            raise ValueError("x and y differ in rows")
-        outputs = outputs or Outputs.whole(y.shape[1])
-        self.bind(pool, a_rows, b_rows, slots, rank, scales, outputs, 0, x.shape[0])(x, y)
 
     def bind(
         self,
@@ -186,11 +165,15 @@ class CpuLoRAKernel(_PerDtype):
         start: int,
         end: int,
     ) -> BoundLoRA:
-        """`apply` to rows start..end of x and y (slots, one per row of that range), as a call
-        of (x, y) alone: everything else checked and converted here once. The engine binds each
-        (layer, projection) once per batch composition and calls it every layer of every step:
-        with the rows in cache, a q,v call of 32 tokens takes about 15 us in C, and apply's
-        checks and conversions, with the engine's slicing of the rows, added about 5 us."""
+        """The kernel on rows start..end of x and y, as a call of (x, y) alone: y[t, cols_i] +=
+        scales[s] * (x[t] @ A_s,i^T) @ B_s,i for each of those rows t and every output i, s =
+        slots[t - start], with run s's rows of module row m at a_rows[m, s*rank : (s+1)*rank]
+        and b_rows[...] in the flat pool (int64, rows contiguous, as is slots; a 1-D table is
+        one module); scales float32 [runs]; x, y (2-D, unit column stride) and pool of one
+        dtype. Everything but x and y is checked and converted here, once: the engine binds each
+        (layer, projection) once per batch composition and calls it every layer of every step
+        (with the rows in cache, a q,v call of 32 tokens takes about 15 us in C; checking and
+        converting its arguments, and slicing the rows, took about 5 us more each time)."""
         if rank > MAX_RANK:
             raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")
         if a_rows.stride(-1) != 1 or slots.numel() != end - start:
@@ -404,20 +387,16 @@ class CpuLinearBf16(_PerDtype):
     and nothing elsewhere."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+        argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+        argtypes += [ctypes.c_int64, ctypes.c_int]
+        bf16 = {torch.bfloat16: "bf16"}
         native = bool(lib.linear_native_bf16())
-        self._functions = {torch.bfloat16: lib.linear_bf16} if native else {}
-        lib.linear_packed_numel_bf16.argtypes = [ctypes.c_int64] * 2
-        lib.linear_packed_numel_bf16.restype = ctypes.c_int64
-        self._numel = lib.linear_packed_numel_bf16
-        self._pack = lib.linear_pack_bf16
-        self._pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        self._pack.restype = ctypes.c_int
-        self._linear = lib.linear_bf16
-        self._linear.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-        self._linear.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 2
-        self._linear.argtypes += [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-        self._linear.argtypes += [ctypes.c_int64, ctypes.c_int]
-        self._linear.restype = ctypes.c_int
+        self._functions = _bind(lib, "linear", argtypes, ctypes.c_int, bf16) if native else {}
+        numel = [ctypes.c_int64] * 2
+        self._numel = _bind(lib, "linear_packed_numel", numel, ctypes.c_int64, bf16)[torch.bfloat16]
+        pack = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._pack = _bind(lib, "linear_pack", pack, ctypes.c_int, bf16)[torch.bfloat16]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [n, k] bfloat16 (k even) -> its packed copy, 1-D."""
@@ -445,7 +424,7 @@ class CpuLinearBf16(_PerDtype):
             x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
         if x2.shape[0]:
-            status = self._linear(
+            status = self._functions[torch.bfloat16](
                 x2.data_ptr(), x2.stride(0), x2.shape[0], k, packed.data_ptr(), n,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), n,
                 fetch.at.data_ptr() if fetch else None, fetch.bytes.data_ptr() if fetch else None,

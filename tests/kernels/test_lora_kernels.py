@@ -203,7 +203,9 @@ def apply_native(x, y, pool, a_offsets, b_offsets, ranks, scales, segments, kern
         b_rows = torch.cat([b_offsets[slot, :rank] for slot in slots])
         lengths = torch.tensor([length for _, length, _, _ in group])
         token_runs = torch.arange(len(group)).repeat_interleave(lengths)
-        kernel.apply(x[rows], y[rows], pool, a_rows, b_rows, token_runs, rank, scales[slots])
+        whole = cpu_lora.Outputs([(0, 0, y.shape[1])])  # one module onto all of y
+        tables = (pool, a_rows, b_rows, token_runs, rank, scales[slots], whole)
+        kernel.bind(*tables, rows.start, rows.stop)(x, y)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -272,7 +274,7 @@ def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtyp
     fin = x.shape[1]
     got = y.clone()
     outputs = cpu_lora.Outputs([(0, columns[0], widths[0]), (2, columns[2], widths[2])])
-    kernel_build.apply(x, got, pool, a_rows, b_rows, slots, rank, scales, outputs)
+    kernel_build.bind(pool, a_rows, b_rows, slots, rank, scales, outputs, 0, 6)(x, got)
     want = y.float().clone()
     for m in (0, 2):
         for t, s in enumerate(slots.tolist()):
@@ -285,16 +287,16 @@ def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtyp
     k_columns = slice(columns[1], columns[2])
     assert torch.equal(got[:, k_columns], y[:, k_columns])
     with pytest.raises(ValueError, match="do not fit"):
-        kernel_build.apply(x, got[:, :500], pool, a_rows, b_rows, slots, rank, scales, outputs)
+        kernel_build.bind(pool, a_rows, b_rows, slots, rank, scales, outputs, 0, 6)(x, got[:, :500])
     with pytest.raises(ValueError, match="do not fit"):
-        kernel_build.apply(x, got, pool, a_rows[:2], b_rows[:2], slots, rank, scales, outputs)
+        kernel_build.bind(pool, a_rows[:2], b_rows[:2], slots, rank, scales, outputs, 0, 6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_bound_call_changes_its_rows_as_apply_does_every_time_it_is_called(dtype, kernel_build):
+def test_a_call_bound_to_some_rows_changes_only_them_every_time_it_is_made(dtype, kernel_build):
     """The engine binds a call once per batch and layer and makes it every step: bound to rows
-    2..6 (their slots), it changes exactly those rows, bit for bit as apply on those rows does,
-    each time; a call that does not fit is refused."""
+    2..6 of x and y (their slots), it changes exactly those rows, bit for bit as a call bound to
+    x[2:] and y[2:] whole does, each time; a call that does not fit is refused."""
     x, y, (pool, a_rows, b_rows, slots, rank, scales), widths, columns = three_modules_case(dtype)
     outputs = cpu_lora.Outputs([(0, columns[0], widths[0]), (2, columns[2], widths[2])])
     runs = a_rows[:, rank:]  # rows 2..6 are runs 1..3 of the tables
@@ -303,7 +305,9 @@ def test_a_bound_call_changes_its_rows_as_apply_does_every_time_it_is_called(dty
     )
     want, got = y.clone(), y.clone()
     for _ in range(2):
-        kernel_build.apply(x[2:], want[2:], pool, a_rows, b_rows, slots[2:], rank, scales, outputs)
+        kernel_build.bind(pool, a_rows, b_rows, slots[2:], rank, scales, outputs, 0, 4)(
+            x[2:], want[2:]
+        )
         bound(x, got)
         assert torch.equal(got, want) and not torch.equal(got[2:], y[2:])
     assert torch.equal(got[:2], y[:2])

@@ -264,10 +264,10 @@ def test_limits_and_revocations_hold_across_ingress_replicas(cluster):
 
 
 async def stream(
-    client: httpx.AsyncClient, url: str, key: str, model: str, i: int, started: set | None = None
+    client: httpx.AsyncClient, url: str, key: str, model: str, i: int, under_way: set | None = None
 ) -> dict:
     """One streamed chat completion -> its status, events and how it ended; `i` joins
-    `started` once its first event has arrived."""
+    `under_way` once its first event has arrived."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"story {i}"}],
@@ -282,8 +282,8 @@ async def stream(
         async for line in reply.aiter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
-                if started is not None:
-                    started.add(i)
+                if under_way is not None:
+                    under_way.add(i)
         status = reply.status_code
     errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
     tokens = sum(
@@ -311,7 +311,9 @@ def test_a_replica_killed_mid_run_fails_only_its_streams_and_is_replaced(cluster
                 asyncio.create_task(stream(client, url, key, ADAPTERS[i % 6], i, under_way))
                 for i in range(8)
             ]
-            while len(under_way) < 8:  # every stream under way (a fixed pause ran past the fast)
+            # every stream under way (a fixed pause ran past the fast); one that ended without
+            # output fails below rather than holding the kill back
+            while len(under_way) < 8 and not any(task.done() for task in running):
                 await asyncio.sleep(0.01)
             nonlocal killed_at
             os.kill(replica_pids()[0], signal.SIGKILL)

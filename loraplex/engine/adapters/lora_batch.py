@@ -147,7 +147,7 @@ class TorchLoRA:
         grouped: list[TokenRun] = []
         for start, end, adapter in _split_at(adapter_runs(token_adapters), num_decodes):
             decode = start < num_decodes
-            native = kernel is not None and adapter.rank <= cpu_lora.MAX_RANK
+            native = self._in_kernel(adapter.rank)
             if native and not decode and end - start <= KERNEL_MAX_SPAN:
                 grouped.append((start, end, adapter))  # a prefill span: one run
             elif decode and (kernel is not None or end - start < GROUP_MIN_TOKENS):
@@ -155,6 +155,10 @@ class TorchLoRA:
             else:
                 self.spans.append((start, end, adapter))
         self.groups = [RunGroup.of(g) for g in _split_by_shape(grouped)]
+
+    def _in_kernel(self, rank: int) -> bool:
+        """Whether the native kernel applies adapters of this rank."""
+        return self.kernel is not None and rank <= cpu_lora.MAX_RANK
 
     def add(self, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor) -> None:
         calls = self._calls.get((layer, modules))
@@ -172,7 +176,7 @@ class TorchLoRA:
             outputs = _kernel_outputs(g.targets, layer, modules)
             if outputs is None:
                 continue
-            if self.kernel is not None and g.rank <= cpu_lora.MAX_RANK:
+            if self._in_kernel(g.rank):
                 tables = (self.pool, g.a_rows[layer], g.b_rows[layer], g.slots, g.rank, g.scales)
                 calls.append(self.kernel.bind(*tables, outputs, g.start, g.end))
             else:
@@ -226,7 +230,7 @@ class TorchLoRA:
         base, size = self.pool.data_ptr(), self.pool.element_size()
         for g in self.groups:
             outputs = _kernel_outputs(g.targets, layer, modules)
-            if outputs is None or g.rank > cpu_lora.MAX_RANK:
+            if outputs is None or not self._in_kernel(g.rank):
                 continue
             runs = g.a_rows.shape[2] // g.rank
             # [runs, modules, A or B, rank]: a run's rows of every module together
