@@ -13,7 +13,8 @@ a layer. Timed three ways, alternated, best of 20 passes over the 30 layers:
 
 Prints each time a projection and hot / none, cold / none. With `--against`, the same for another
 build of kernels/cpu_kernels.c (`gcc -O3 -march=native -fopenmp -shared -fPIC -std=c11 -lm`, say
-of an earlier commit), side by side in the same run. Needs a CPU with AVX512-BF16.
+of an earlier commit), side by side in the same run. Needs a CPU with AVX512-BF16 and no AMX
+(with AMX the projection takes no fetch: see linear_fetches_bf16 in cpu_kernels.c).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def main() -> None:
     if args.against:
         builds[args.against] = ctypes.CDLL(args.against)
     projections = {name: cpu_lora.CpuLinearBf16(lib) for name, lib in builds.items()}
-    if not all(p.supports(torch.bfloat16) for p in projections.values()):
-        raise SystemExit("the native bfloat16 projection needs a CPU with AVX512-BF16")
+    if not all(p.supports(torch.bfloat16) and p.fetches for p in projections.values()):
+        raise SystemExit("the fetching bfloat16 projection needs AVX512-BF16 and no AMX")
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS, IN, generator=generator).to(torch.bfloat16)
     dense = [torch.randn(OUT, IN, generator=generator).to(torch.bfloat16) for _ in range(LAYERS)]

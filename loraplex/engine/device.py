@@ -149,12 +149,11 @@ NATIVE_LINEAR_MAX_ROWS = 32
 
 def choose_linear_bf16(weight: torch.Tensor):
     """The native bfloat16 projection (cpu_lora.CpuLinearBf16) for a bfloat16 CPU weight on a
-    CPU with AVX512-BF16 and no AMX, where it builds; None elsewhere: with AMX, oneDNN's tile
-    kernels (not measured against here); in float32, oneDNN's IEEE products.
-    LORAPLEX_ONEDNN_LINEAR=1 keeps oneDNN's alone."""
+    CPU with AMX or AVX512-BF16, where it builds; None elsewhere, and in float32 (oneDNN's IEEE
+    products). LORAPLEX_ONEDNN_LINEAR=1 keeps oneDNN's alone."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return None
-    if os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1" or "amx_bf16" in cpu_lora.cpu_flags():
+    if os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1":
         return None
     kernel = cpu_lora.load_linear()
     return kernel if kernel is not None and kernel.supports(weight.dtype) else None
@@ -165,8 +164,8 @@ class Linear:
 
     With `decode_kernel` and where choose_linear_bf16 offers it, batches of up to
     NATIVE_LINEAR_MAX_ROWS rows (decode steps) go through the native bfloat16 projection, which
-    also brings the next LoRA call's adapter rows into cache while it computes (`fetch`); this
-    keeps a second copy of W, packed for it, beside oneDNN's for larger batches."""
+    on AVX512-BF16 also brings the next LoRA call's adapter rows into cache while it computes
+    (`fetch`); this keeps a second copy of W, packed for it, beside oneDNN's for larger batches."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, decode_kernel: bool = True
@@ -181,12 +180,16 @@ class Linear:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS_HINT)
             self.weight = None  # the packed copy replaces it
 
-    def fetches(self, x: torch.Tensor) -> bool:
-        """Whether the product of x goes through the native projection, which takes `fetch`."""
+    def native(self, x: torch.Tensor) -> bool:
+        """Whether the product of x goes through the native projection."""
         return self._native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS
 
+    def fetches(self, x: torch.Tensor) -> bool:
+        """Whether the product of x takes a `fetch` (the native projection, where it fetches)."""
+        return self.native(x) and self._native.fetches
+
     def __call__(self, x: torch.Tensor, fetch: cpu_lora.Fetch | None = None) -> torch.Tensor:
-        if self.fetches(x):
+        if self.native(x):
             return self._native(x, self._native_packed, self.out_features, self.bias, fetch)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -382,9 +382,11 @@ class Fetch:
 
 
 class CpuLinearBf16(_PerDtype):
-    """bfloat16 dense projections on CPUs with AVX512-BF16 (cpu_kernels.c): y = x W^T (+ b) with
-    W packed once. It supports bfloat16 only where the library was compiled for AVX512-BF16,
-    and nothing elsewhere."""
+    """bfloat16 dense projections on CPUs with AMX or AVX512-BF16 (cpu_kernels.c): y = x W^T
+    (+ b) with W packed once. It supports bfloat16 only where the library was compiled for
+    either (and, with AMX, Linux grants the tiles), and nothing elsewhere. `fetches`: whether
+    it takes memory ranges to bring into cache meanwhile (not with AMX, where the products are
+    bound by memory themselves)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
@@ -392,6 +394,7 @@ class CpuLinearBf16(_PerDtype):
         argtypes += [ctypes.c_int64, ctypes.c_int]
         bf16 = {torch.bfloat16: "bf16"}
         native = bool(lib.linear_native_bf16())
+        self.fetches = native and bool(lib.linear_fetches_bf16())
         self._functions = _bind(lib, "linear", argtypes, ctypes.c_int, bf16) if native else {}
         numel = [ctypes.c_int64] * 2
         self._numel = _bind(lib, "linear_packed_numel", numel, ctypes.c_int64, bf16)[torch.bfloat16]
@@ -416,8 +419,8 @@ class CpuLinearBf16(_PerDtype):
         bias: torch.Tensor | None,
         fetch: Fetch | None = None,
     ) -> torch.Tensor:
-        """x [..., k] bfloat16 -> [..., n] bfloat16; the memory ranges of `fetch` brought into
-        cache meanwhile."""
+        """x [..., k] bfloat16 -> [..., n] bfloat16; the memory ranges of `fetch` (only where
+        `fetches`) brought into cache meanwhile."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         if x2.stride(1) != 1:

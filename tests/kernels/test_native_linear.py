@@ -1,7 +1,8 @@
-"""The native bfloat16 projection (CPUs with AVX512-BF16 and no AMX): the product rounded once,
-whatever the shape; decode-sized batches take it and larger ones oneDNN, with the same results
-to a rounding step; and the adapter rows it is asked to bring into cache are exactly those the
-LoRA call after it reads."""
+"""The native bfloat16 projection (CPUs with AMX or AVX512-BF16; each of its two kernels runs
+where the CPU has it): the product rounded once, whatever the shape (with AMX, input widths that
+are not a multiple of 32 end in a vdpbf16ps tail); decode-sized batches take it and larger ones
+oneDNN, with the same results to a rounding step; and the adapter rows a fetching projection is
+asked to bring into cache are exactly those the LoRA call after it reads."""
 
 from __future__ import annotations
 
