@@ -293,6 +293,33 @@ def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("span", [1, 2, 3, 4, 5, 9, 13])
+def test_a_prefill_span_gives_each_token_the_bits_it_gets_alone(dtype, span, kernel_build):
+    """A span's tokens share one run and are taken a few at a time, each adapter row read once
+    for them: every token gets exactly the bits it gets as a run of its own (a decode token),
+    however the span falls between the threads and its blocks, before and after other runs."""
+    x, y, (pool, a_rows, b_rows, _, rank, scales), widths, columns = three_modules_case(dtype)
+    n = span + 2  # a decode token on run 0, the span on run 1, a decode token on run 2
+    torch.manual_seed(span)
+    x, y = torch.randn(n, x.shape[1]).to(dtype), torch.randn(n, sum(widths)).to(dtype)
+    outputs = cpu_lora.Outputs([(m, columns[m], widths[m]) for m in range(3)])
+    as_span = torch.tensor([0] + [1] * span + [2])
+    alone = torch.arange(n)  # every token a run of its own
+    runs_alone = [0] + [1] * span + [2]  # each token's run of its own, on the span's rows
+
+    def rows_of(table, runs):
+        return table.view(3, -1, rank)[:, runs].flatten(1)
+
+    got, want = y.clone(), y.clone()
+    kernel_build.bind(pool, a_rows, b_rows, as_span, rank, scales, outputs, 0, n)(x, got)
+    a_alone, b_alone = rows_of(a_rows, runs_alone), rows_of(b_rows, runs_alone)
+    scales_alone = scales[runs_alone]
+    kernel_build.bind(pool, a_alone, b_alone, alone, rank, scales_alone, outputs, 0, n)(x, want)
+    assert not torch.equal(got, y)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_call_bound_to_some_rows_changes_only_them_every_time_it_is_made(dtype, kernel_build):
     """The engine binds a call once per batch and layer and makes it every step: bound to rows
     2..6 of x and y (their slots), it changes exactly those rows, bit for bit as a call bound to
