@@ -16,7 +16,7 @@ from loraplex.engine.adapters.lora_batch import Modules
 from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.device import Linear, choose_bf16_ops
+from loraplex.engine.device import Linear, choose_bf16_ops, native_lm_head
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.rope import RotaryEmbedding
@@ -64,8 +64,7 @@ class CausalLM:
         self.embed = weights.embed  # [vocab, hidden]
         self.layers = [Layer.from_weights(w) for w in weights.layers]
         self.final_norm = weights.final_norm
-        # one pass over a vocabulary of rows: oneDNN streams them from memory faster
-        self.lm_head = Linear(weights.lm_head, decode_kernel=False)
+        self.lm_head = Linear(weights.lm_head, decode_kernel=native_lm_head())
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
         self._bf16_ops = choose_bf16_ops(device, dtype)
