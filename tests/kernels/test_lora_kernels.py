@@ -220,8 +220,29 @@ def test_native_cpu_kernel_matches_reference(case, dtype, kernel_build):
     v = lora_shrink_reference(x, pool, a_off, ranks_t, segments)
     lora_expand_reference(y_ref, v, pool, b_off, ranks_t, scales, segments)
     apply_native(x, y_native, pool, a_off, b_off, ranks_t, scales, segments, kernel_build)
-    # the reference rounds v to bfloat16 before expanding; the kernel keeps it in float32
     tol = TOLERANCE[dtype]
+    torch.testing.assert_close(y_native.float(), y_ref.float(), atol=tol * 4, rtol=tol)
+    covered = torch.zeros(x.shape[0], dtype=torch.bool)
+    for start, length in zip(segments.starts.tolist(), segments.lens.tolist(), strict=True):
+        covered[start : start + length] = True
+    assert torch.equal(y_native[~covered], y[~covered])
+
+
+@pytest.mark.parametrize("ranks", [[16, 16], [8, 2, 16]], ids=["rank 16", "ranks 8, 2, 16"])
+def test_long_prefill_spans_match_reference(ranks, kernel_build):
+    """Spans of 16 tokens and more, inputs a multiple of 32 wide, ranks up to 16: on a CPU with
+    AMX they go 16 tokens at a time through tiles (v as two bfloat16 halves; 300 output columns
+    end in a partial tile), the rest of each span and elsewhere through the vector blocks.
+    Either way the float32 reference's result to a rounding step, and the rows outside the spans
+    untouched."""
+    x, y, pool, a_off, b_off, ranks_t, scales, segments = random_case(
+        5, ranks, [40, 16, 70, 3, 33], 1, torch.bfloat16, in_features=576, out_features=300
+    )
+    y_ref, y_native = y.clone(), y.clone()
+    v = lora_shrink_reference(x, pool, a_off, ranks_t, segments)
+    lora_expand_reference(y_ref, v, pool, b_off, ranks_t, scales, segments)
+    apply_native(x, y_native, pool, a_off, b_off, ranks_t, scales, segments, kernel_build)
+    tol = TOLERANCE[torch.bfloat16]
     torch.testing.assert_close(y_native.float(), y_ref.float(), atol=tol * 4, rtol=tol)
     covered = torch.zeros(x.shape[0], dtype=torch.bool)
     for start, length in zip(segments.starts.tolist(), segments.lens.tolist(), strict=True):
@@ -297,7 +318,9 @@ def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtyp
 def test_a_prefill_span_gives_each_token_the_bits_it_gets_alone(dtype, span, kernel_build):
     """A span's tokens share one run and are taken a few at a time, each adapter row read once
     for them: every token gets exactly the bits it gets as a run of its own (a decode token),
-    however the span falls between the threads and its blocks, before and after other runs."""
+    however the span falls between the threads and its blocks, before and after other runs.
+    (Spans here are shorter than the 16 tokens a thread takes through AMX tiles, whose sums
+    run in another order: test_long_prefill_spans_match_reference.)"""
     x, y, (pool, a_rows, b_rows, _, rank, scales), widths, columns = three_modules_case(dtype)
     n = span + 2  # a decode token on run 0, the span on run 1, a decode token on run 2
     torch.manual_seed(span)
