@@ -7,8 +7,10 @@ too slow to serve).
 
 On CPU, dense projections run through oneDNN with weights prepacked once at load time: on the
 2-core AVX-512 machines loraplex is developed on, that is 2-3x faster than the default BLAS path
-for the 32-to-256-row batches of a serving step, and still IEEE float32. Anywhere else (CUDA, or a
-CPU build without oneDNN), `torch.nn.functional.linear`.
+for the 32-to-256-row batches of a serving step, and still IEEE float32. In bfloat16, a decode
+step's products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel instead, on AMX
+tiles or AVX512-BF16 dot products (choose_linear_bf16). Anywhere else (CUDA, or a CPU build
+without oneDNN), `torch.nn.functional.linear`.
 """
 
 from __future__ import annotations
