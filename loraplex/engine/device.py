@@ -198,9 +198,21 @@ class Linear:
         """Whether the product of x takes a `fetch` (the native projection, where it fetches)."""
         return self.native(x) and self._native.fetches
 
-    def __call__(self, x: torch.Tensor, fetch: cpu_lora.Fetch | None = None) -> torch.Tensor:
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether the product of x takes a `lora` call (the native projection, where it fuses)."""
+        return self.native(x) and self._native.fuses
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        fetch: cpu_lora.Fetch | None = None,
+        lora: cpu_lora.BoundLoRA | None = None,
+    ) -> torch.Tensor:
+        if lora is not None and not self.fuses(x):
+            raise ValueError("this projection of x does not take a LoRA call")
         if self.native(x):
-            return self._native(x, self._native_packed, self.out_features, self.bias, fetch)
+            native, packed, n = self._native, self._native_packed, self.out_features
+            return native(x, packed, n, self.bias, fetch, lora)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -129,8 +129,7 @@ class CausalLM:
         sin: torch.Tensor,
     ) -> torch.Tensor:
         c = self.config
-        qkv = layer.qkv(x, _lora_fetch(batch, index, self._qkv_modules, x, layer.qkv))
-        _add_lora(batch, index, self._qkv_modules, x, qkv)
+        qkv = _project(batch, index, self._qkv_modules, x, layer.qkv)
         if self._bf16_ops is not None:
             q = self._bf16_ops.rotate_and_write(
                 qkv, c.num_heads, c.num_kv_heads, self.rope.cos, self.rope.sin, batch.positions,
@@ -142,39 +141,33 @@ class CausalLM:
             k = self.rope.rotate(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
             write_kv(kv_cache, k, v.reshape(-1, c.num_kv_heads, c.head_dim), batch)
         attended = paged_attention(q, kv_cache, batch, self.scale).flatten(1)
-        out = layer.o(attended, _lora_fetch(batch, index, self._o_modules, attended, layer.o))
-        _add_lora(batch, index, self._o_modules, attended, out)
-        return out
+        return _project(batch, index, self._o_modules, attended, layer.o)
 
     def _mlp(self, index: int, layer: Layer, x: torch.Tensor, batch: ForwardBatch):
-        gate_up = layer.gate_up(
-            x, _lora_fetch(batch, index, self._gate_up_modules, x, layer.gate_up)
-        )
-        _add_lora(batch, index, self._gate_up_modules, x, gate_up)
+        gate_up = _project(batch, index, self._gate_up_modules, x, layer.gate_up)
         if self._bf16_ops is not None:
             hidden = self._bf16_ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
-        out = layer.down(hidden, _lora_fetch(batch, index, self._down_modules, hidden, layer.down))
-        _add_lora(batch, index, self._down_modules, hidden, out)
-        return out
+        return _project(batch, index, self._down_modules, hidden, layer.down)
 
 
-def _lora_fetch(
+def _project(
     batch: ForwardBatch, layer: int, modules: Modules, x: torch.Tensor, projection: Linear
-):
-    """The adapter rows `_add_lora` will read after `projection` of x, for the projection to
-    bring into cache meanwhile; None without LoRA or where the projection takes none."""
-    if batch.lora is None or not projection.fetches(x):
-        return None
-    return batch.lora.fetch(layer, modules, x.shape[-1])
-
-
-def _add_lora(
-    batch: ForwardBatch, layer: int, modules: Modules, x: torch.Tensor, out: torch.Tensor
-) -> None:
-    """out += the LoRA deltas of `modules` (each at its columns of out) for the tokens whose
-    adapter changes them."""
-    if batch.lora is not None:
-        batch.lora.add(layer, modules, x, out)
+) -> torch.Tensor:
+    """projection(x), plus the LoRA deltas of `modules` (each at its columns of the output) for
+    the tokens whose adapter changes them: in the projection's own native call where it takes
+    the LoRA call (AMX); else after it, the adapter rows brought into cache during the
+    projection where it fetches (AVX512-BF16)."""
+    lora = batch.lora
+    if lora is None:
+        return projection(x)
+    if projection.fuses(x):
+        call = lora.fused(layer, modules)
+        if call is not None:
+            return projection(x, lora=call)
+    fetch = lora.fetch(layer, modules, x.shape[-1]) if projection.fetches(x) else None
+    out = projection(x, fetch)
+    lora.add(layer, modules, x, out)
+    return out

@@ -617,75 +617,96 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
 }
 #endif
 
-/* The tokens are split between the threads in halves (a static schedule), each thread taking
- * its tokens in blocks. A block's arithmetic is each of its tokens' on its own, in the same
- * order: the results do not depend on the blocking. */
+/* A bfloat16 LoRA call's arguments, as lora_apply_bf16 takes them. */
+typedef struct {
+    const uint16_t *x;
+    int64_t x_stride;
+    uint16_t *y;
+    int64_t y_stride, n, fin, modules;
+    const int64_t *mods, *cols, *fouts;
+    const uint16_t *pool;
+    const int64_t *a_rows, *b_rows;
+    int64_t mstride;
+    const int64_t *slots;
+    int64_t r;
+    const float *scales;
+} LoRACall;
+
+/* Thread th of nt's share of a call: its part of the tokens split in halves (a static schedule),
+ * taken in blocks. A block's arithmetic is each of its tokens' on its own, in the same order:
+ * the results do not depend on the blocking. */
+static void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
+    const uint16_t *x = call->x, *pool = call->pool;
+    uint16_t *y = call->y;
+    const int64_t x_stride = call->x_stride, y_stride = call->y_stride, n = call->n;
+    const int64_t fin = call->fin, modules = call->modules, mstride = call->mstride, r = call->r;
+    const int64_t *mods = call->mods, *cols = call->cols, *fouts = call->fouts;
+    const int64_t *a_rows = call->a_rows, *b_rows = call->b_rows, *slots = call->slots;
+    const int64_t last = n * (th + 1) / nt;
+#if defined(HAVE_AMX)
+    int64_t work_numel = 0; /* the span buffer, for the widest module */
+    for (int64_t i = 0; i < modules; i++)
+        if (span_work(fin, fouts[i], r) > work_numel) work_numel = span_work(fin, fouts[i], r);
+    uint16_t *work = NULL; /* had, and the tiles shaped, at the thread's first span */
+    int tiles = amx_takes(fin, r);
+#endif
+    for (int64_t t = n * th / nt; t < last;) {
+        const int64_t s = call->slots[t];
+#if defined(HAVE_AMX)
+        int64_t len = 1;
+        while (tiles && len < AMX_SPAN && t + len < last && slots[t + len] == s) len++;
+        if (tiles && len == AMX_SPAN) {
+            if (work == NULL) {
+                work = span_buffer(work_numel);
+                tiles = work != NULL;
+                if (tiles) load_span_tiles(r);
+            }
+            if (tiles) {
+                while (t + len < last && slots[t + len] == s) len++;
+                const int64_t blocks = len / AMX_SPAN;
+                lora_span_amx(x, x_stride, y, y_stride, t, blocks, s, fin, modules, mods, cols,
+                              fouts, pool, a_rows, b_rows, mstride, r, call->scales[s], work);
+                t += blocks * AMX_SPAN;
+                continue;
+            }
+        }
+#endif
+        int T = 1;
+        while (T < LORA_BLOCK && t + T < last && slots[t + T] == s) T++;
+        /* the rows of the thread's next block, unless the same run's */
+        const int64_t later = t + T < last && slots[t + T] != s ? slots[t + T] : -1;
+        const float scale = call->scales[s];
+#define LORA_BLOCK_OF(T_)                                                                      \
+    lora_block_bf16(x, x_stride, y, y_stride, t, T_, s, later, fin, modules, mods, cols, fouts, \
+                    pool, a_rows, b_rows, mstride, r, scale)
+        switch (T) { /* specialised for each block size */
+#if LORA_BLOCK >= 4
+        case 4: LORA_BLOCK_OF(4); break;
+        case 3: LORA_BLOCK_OF(3); break;
+#endif
+#if LORA_BLOCK >= 2
+        case 2: LORA_BLOCK_OF(2); break;
+#endif
+        default: LORA_BLOCK_OF(1);
+        }
+#undef LORA_BLOCK_OF
+        t += T;
+    }
+#if defined(HAVE_AMX)
+    if (work != NULL) _tile_release();
+#endif
+}
+
 int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
                     int64_t n, int64_t fin, int64_t modules, const int64_t *mods,
                     const int64_t *cols, const int64_t *fouts, const uint16_t *pool,
                     const int64_t *a_rows, const int64_t *b_rows, int64_t mstride,
                     const int64_t *slots, int64_t r, const float *scales, int num_threads) {
     if (r > MAX_RANK || modules > MAX_MODULES) return 1;
-#if defined(HAVE_AMX)
-    int64_t work_numel = 0; /* the span buffer, for the widest module */
-    for (int64_t i = 0; i < modules; i++)
-        if (span_work(fin, fouts[i], r) > work_numel) work_numel = span_work(fin, fouts[i], r);
-    const int amx = amx_takes(fin, r);
-#endif
+    const LoRACall call = {x,    x_stride, y,      y_stride, n,       fin,   modules, mods, cols,
+                           fouts, pool,    a_rows, b_rows,   mstride, slots, r,       scales};
 #pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t last = n * (th + 1) / nt;
-#if defined(HAVE_AMX)
-        uint16_t *work = NULL; /* allocated, and the tiles shaped, at the thread's first span */
-        int tiles = amx;
-#endif
-        for (int64_t t = n * th / nt; t < last;) {
-            const int64_t s = slots[t];
-#if defined(HAVE_AMX)
-            int64_t len = 1;
-            while (tiles && len < AMX_SPAN && t + len < last && slots[t + len] == s) len++;
-            if (tiles && len == AMX_SPAN) {
-                if (work == NULL) {
-                    work = span_buffer(work_numel);
-                    tiles = work != NULL;
-                    if (tiles) load_span_tiles(r);
-                }
-                if (tiles) {
-                    while (t + len < last && slots[t + len] == s) len++;
-                    const int64_t blocks = len / AMX_SPAN;
-                    lora_span_amx(x, x_stride, y, y_stride, t, blocks, s, fin, modules, mods,
-                                  cols, fouts, pool, a_rows, b_rows, mstride, r, scales[s], work);
-                    t += blocks * AMX_SPAN;
-                    continue;
-                }
-            }
-#endif
-            int T = 1;
-            while (T < LORA_BLOCK && t + T < last && slots[t + T] == s) T++;
-            /* the rows of the thread's next block, unless the same run's */
-            const int64_t later = t + T < last && slots[t + T] != s ? slots[t + T] : -1;
-            const float scale = scales[s];
-#define LORA_BLOCK_OF(T_)                                                                      \
-    lora_block_bf16(x, x_stride, y, y_stride, t, T_, s, later, fin, modules, mods, cols, fouts, \
-                    pool, a_rows, b_rows, mstride, r, scale)
-            switch (T) { /* specialised for each block size */
-#if LORA_BLOCK >= 4
-            case 4: LORA_BLOCK_OF(4); break;
-            case 3: LORA_BLOCK_OF(3); break;
-#endif
-#if LORA_BLOCK >= 2
-            case 2: LORA_BLOCK_OF(2); break;
-#endif
-            default: LORA_BLOCK_OF(1);
-            }
-#undef LORA_BLOCK_OF
-            t += T;
-        }
-#if defined(HAVE_AMX)
-        if (work != NULL) _tile_release();
-#endif
-    }
+    lora_thread_bf16(&call, omp_get_thread_num(), omp_get_num_threads());
     return 0;
 }
 
@@ -1403,17 +1424,25 @@ static void tail_pairs(float *sums, int64_t rows, const uint16_t *x, int64_t x_s
     }
 }
 
-/* x [m, k] (m <= 32; rows x_stride apart) -> y [m, n] (rows y_stride apart); bias [n] or NULL;
- * no fetches (linear_fetches_bf16). Blocks are split evenly between the threads, each streaming
- * its run of them. */
-int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
-                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
-                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
-                int64_t fetches, int num_threads) {
-    (void)fetch_at, (void)fetch_bytes;
-    if (k % 2 != 0 || m > 32 || fetches > 0) return 1;
-    if (!amx_granted()) return 2;
+/* A projection's arguments: x [m, k] (m <= 32; rows x_stride apart) -> y [m, n] (rows y_stride
+ * apart); bias [n] or NULL. */
+typedef struct {
+    const uint16_t *x;
+    int64_t x_stride, m, k;
+    const uint16_t *packed;
+    int64_t n;
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t y_stride;
+} LinearCall;
+
+/* Thread th of nt's share of a projection: its run of the blocks, split evenly. */
+static void linear_thread_amx(const LinearCall *call, int64_t th, int64_t nt) {
+    const uint16_t *x = call->x;
+    const int64_t x_stride = call->x_stride, m = call->m, k = call->k, n = call->n;
     const int64_t blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS, steps = k / 32;
+    const int64_t first = blocks * th / nt, last = blocks * (th + 1) / nt;
+    if (first == last) return;
     const int low = m < 16 ? (int)m : 16, high = (int)m - low;
     TileConfig config;
     memset(&config, 0, sizeof config);
@@ -1422,63 +1451,102 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     set_tile(&config, 2, 16, 64), set_tile(&config, 3, 16, 64);
     set_tile(&config, 4, low, 64), set_tile(&config, 5, low, 64);
     set_tile(&config, 6, high, 64), set_tile(&config, 7, high, 64);
-    const int threads = blocks < num_threads ? (int)blocks : num_threads;
     const int64_t x_bytes = x_stride * 2, step_bytes = 16 * LINEAR_COLS * 2 * 2;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
-        float sums[32 * 32];
-        _tile_loadconfig(&config);
-        for (int64_t b = first; b < last; b++) {
-            const uint16_t *w = packed + b * LINEAR_COLS * k;
-            _tile_zero(4);
-            _tile_zero(5);
+    float sums[32 * 32];
+    _tile_loadconfig(&config);
+    for (int64_t b = first; b < last; b++) {
+        const uint16_t *w = call->packed + b * LINEAR_COLS * k;
+        _tile_zero(4);
+        _tile_zero(5);
+        if (high > 0) {
+            _tile_zero(6);
+            _tile_zero(7);
+        }
+        for (int64_t s = 0; s < steps; s++) {
+            const uint16_t *ws = w + s * 16 * LINEAR_COLS * 2;
+            const char *ahead = (const char *)ws + step_bytes; /* past the block: the next */
+            for (int64_t at = 0; at < step_bytes; at += 64) {
+                __builtin_prefetch(ahead + at, 0, 3);
+                __builtin_prefetch(ahead + 7 * step_bytes + at, 0, 2);
+            }
+            _tile_loadd(2, ws, LINEAR_COLS * 4);
+            _tile_loadd(3, ws + 32, LINEAR_COLS * 4);
+            _tile_loadd(0, x + s * 32, x_bytes);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
             if (high > 0) {
-                _tile_zero(6);
-                _tile_zero(7);
-            }
-            for (int64_t s = 0; s < steps; s++) {
-                const uint16_t *ws = w + s * 16 * LINEAR_COLS * 2;
-                const char *ahead = (const char *)ws + step_bytes; /* past the block: the next */
-                for (int64_t at = 0; at < step_bytes; at += 64) {
-                    __builtin_prefetch(ahead + at, 0, 3);
-                    __builtin_prefetch(ahead + 7 * step_bytes + at, 0, 2);
-                }
-                _tile_loadd(2, ws, LINEAR_COLS * 4);
-                _tile_loadd(3, ws + 32, LINEAR_COLS * 4);
-                _tile_loadd(0, x + s * 32, x_bytes);
-                _tile_dpbf16ps(4, 0, 2);
-                _tile_dpbf16ps(5, 0, 3);
-                if (high > 0) {
-                    _tile_loadd(1, x + 16 * x_stride + s * 32, x_bytes);
-                    _tile_dpbf16ps(6, 1, 2);
-                    _tile_dpbf16ps(7, 1, 3);
-                }
-            }
-            _tile_stored(4, sums, 128);
-            _tile_stored(5, sums + 16, 128);
-            if (high > 0) {
-                _tile_stored(6, sums + 16 * 32, 128);
-                _tile_stored(7, sums + 16 * 32 + 16, 128);
-            }
-            if (k % 32) tail_pairs(sums, m, x, x_stride, w, steps * 16, k % 32 / 2);
-            const int64_t col = b * LINEAR_COLS;
-            for (int c = 0; c < 2 && col + c * 16 < n; c++) {
-                const __mmask16 mask = tail_mask(n - col - c * 16);
-                const __m512 bv = bias != NULL ? bf16x16(bias + col + c * 16, mask) : _mm512_setzero_ps();
-                for (int64_t i = 0; i < m; i++)
-                    store_bf16x16(y + i * y_stride + col + c * 16, mask,
-                                  _mm512_add_ps(_mm512_loadu_ps(sums + i * 32 + c * 16), bv));
+                _tile_loadd(1, x + 16 * x_stride + s * 32, x_bytes);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_dpbf16ps(7, 1, 3);
             }
         }
-        _tile_release();
+        _tile_stored(4, sums, 128);
+        _tile_stored(5, sums + 16, 128);
+        if (high > 0) {
+            _tile_stored(6, sums + 16 * 32, 128);
+            _tile_stored(7, sums + 16 * 32 + 16, 128);
+        }
+        if (k % 32) tail_pairs(sums, m, x, x_stride, w, steps * 16, k % 32 / 2);
+        const int64_t col = b * LINEAR_COLS;
+        for (int c = 0; c < 2 && col + c * 16 < n; c++) {
+            const __mmask16 mask = tail_mask(n - col - c * 16);
+            const __m512 bv =
+                call->bias != NULL ? bf16x16(call->bias + col + c * 16, mask) : _mm512_setzero_ps();
+            for (int64_t i = 0; i < m; i++)
+                store_bf16x16(call->y + i * call->y_stride + col + c * 16, mask,
+                              _mm512_add_ps(_mm512_loadu_ps(sums + i * 32 + c * 16), bv));
+        }
+    }
+    _tile_release();
+}
+
+/* No fetches (linear_fetches_bf16). */
+int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                int64_t fetches, int num_threads) {
+    (void)fetch_at, (void)fetch_bytes;
+    if (k % 2 != 0 || m > 32 || fetches > 0) return 1;
+    if (!amx_granted()) return 2;
+    const LinearCall call = {x, x_stride, m, k, packed, n, bias, y, y_stride};
+#pragma omp parallel num_threads(num_threads)
+    linear_thread_amx(&call, omp_get_thread_num(), omp_get_num_threads());
+    return 0;
+}
+
+/* Whether linear_lora_bf16 runs here. */
+int linear_fuses_bf16(void) { return amx_granted(); }
+
+/* The projection x -> y and then a LoRA call on rows of them (its arguments as lora_apply_bf16
+ * takes them, lx and ly within x and y), in one parallel region, the threads meeting between
+ * the two: a decode step's projection and the LoRA call after it each cost a ctypes call and an
+ * OpenMP region of their own, about 6 us, 120 times a step of all-module adapters. */
+int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                     const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                     int64_t y_stride, const uint16_t *lx, int64_t lx_stride, uint16_t *ly,
+                     int64_t ly_stride, int64_t ln, int64_t fin, int64_t modules,
+                     const int64_t *mods, const int64_t *cols, const int64_t *fouts,
+                     const uint16_t *pool, const int64_t *a_rows, const int64_t *b_rows,
+                     int64_t mstride, const int64_t *slots, int64_t r, const float *scales,
+                     int num_threads) {
+    if (k % 2 != 0 || m > 32 || r > MAX_RANK || modules > MAX_MODULES) return 1;
+    if (!amx_granted()) return 2;
+    const LinearCall linear = {x, x_stride, m, k, packed, n, bias, y, y_stride};
+    const LoRACall lora = {lx,    lx_stride, ly,     ly_stride, ln,      fin,   modules, mods, cols,
+                           fouts, pool,      a_rows, b_rows,    mstride, slots, r,       scales};
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();
+        linear_thread_amx(&linear, th, nt);
+#pragma omp barrier
+        lora_thread_bf16(&lora, th, nt);
     }
     return 0;
 }
 #else
 int linear_native_bf16(void) { return 1; }
 int linear_fetches_bf16(void) { return 1; }
+int linear_fuses_bf16(void) { return 0; }
 
 /* Memory ranges a thread brings into cache while it computes, `pace` lines a step of k: the
  * rows of the adapters the next LoRA call reads (see linear_bf16). */
@@ -1591,6 +1659,7 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
 #else
 int linear_native_bf16(void) { return 0; }
 int linear_fetches_bf16(void) { return 0; }
+int linear_fuses_bf16(void) { return 0; }
 
 int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                 const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,

@@ -202,15 +202,21 @@ class BoundLoRA:
         )  # fmt: skip
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        arguments = self.arguments(x, y)
+        if arguments is not None:
+            self._function(*arguments)
+
+    def arguments(self, x: torch.Tensor, y: torch.Tensor) -> tuple | None:
+        """The kernel's arguments on (x, y), checked; None if the call has no rows."""
         start, end = self._start, self._end
         if x.stride(1) != 1 or y.stride(1) != 1 or min(x.shape[0], y.shape[0]) < end:
             raise ValueError("x and y need unit column stride and the bound rows")
         if y.shape[1] < self._columns or x.dtype != self._dtype or y.dtype != self._dtype:
             raise ValueError("the outputs do not fit y, or x, y and the pool differ in dtype")
         if end == start:
-            return
+            return None
         rows_x, rows_y = x.stride(0), y.stride(0)
-        self._function(
+        return (
             x.data_ptr() + start * rows_x * self._size, rows_x,
             y.data_ptr() + start * rows_y * self._size, rows_y, end - start, x.shape[1],
             *self._tail,
@@ -386,7 +392,8 @@ class CpuLinearBf16(_PerDtype):
     (+ b) with W packed once. It supports bfloat16 only where the library was compiled for
     either (and, with AMX, Linux grants the tiles), and nothing elsewhere. `fetches`: whether
     it takes memory ranges to bring into cache meanwhile (not with AMX, where the products are
-    bound by memory themselves)."""
+    bound by memory themselves); `fuses`: whether it makes the LoRA call after it in the same
+    native call (with AMX)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
@@ -395,6 +402,10 @@ class CpuLinearBf16(_PerDtype):
         bf16 = {torch.bfloat16: "bf16"}
         native = bool(lib.linear_native_bf16())
         self.fetches = native and bool(lib.linear_fetches_bf16())
+        self.fuses = native and bool(lib.linear_fuses_bf16())
+        if self.fuses:
+            fused = argtypes[:9] + _ARGTYPES  # the projection's, then the LoRA call's
+            self._fused = _bind(lib, "linear_lora", fused, ctypes.c_int, bf16)[torch.bfloat16]
         self._functions = _bind(lib, "linear", argtypes, ctypes.c_int, bf16) if native else {}
         numel = [ctypes.c_int64] * 2
         self._numel = _bind(lib, "linear_packed_numel", numel, ctypes.c_int64, bf16)[torch.bfloat16]
@@ -418,9 +429,11 @@ class CpuLinearBf16(_PerDtype):
         n: int,
         bias: torch.Tensor | None,
         fetch: Fetch | None = None,
+        lora: BoundLoRA | None = None,
     ) -> torch.Tensor:
         """x [..., k] bfloat16 -> [..., n] bfloat16; the memory ranges of `fetch` (only where
-        `fetches`) brought into cache meanwhile."""
+        `fetches`) brought into cache meanwhile; then the LoRA call `lora` on (x, y) in the
+        same native call (only where `fuses`, x 2-D)."""
         flat = x.dim() == 2  # a decode step's rows: no reshaping either way (about 1.5 us)
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         if x2.stride(1) != 1:
@@ -428,14 +441,20 @@ class CpuLinearBf16(_PerDtype):
         rows, k = x2.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         if rows:
-            fetched = fetch is not None and fetch.count > 0
-            status = self._functions[torch.bfloat16](
+            projection = (
                 x2.data_ptr(), x2.stride(0), rows, k, packed.data_ptr(), n,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), n,
-                fetch.at.data_ptr() if fetched else None,
-                fetch.bytes.data_ptr() if fetched else None, fetch.count if fetched else 0,
-                torch.get_num_threads(),
             )  # fmt: skip
+            then = lora.arguments(x2, y) if lora is not None else None
+            if then is not None:
+                status = self._fused(*projection, *then)
+            else:
+                fetched = fetch is not None and fetch.count > 0
+                status = self._functions[torch.bfloat16](
+                    *projection, fetch.at.data_ptr() if fetched else None,
+                    fetch.bytes.data_ptr() if fetched else None, fetch.count if fetched else 0,
+                    torch.get_num_threads(),
+                )  # fmt: skip
             if status != 0:
                 raise ValueError(f"the packed bfloat16 projection cannot run here ({status})")
         return y if flat else y.view(*x.shape[:-1], n)

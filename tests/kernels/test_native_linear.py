@@ -98,3 +98,40 @@ def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adap
                         for m in (adapter.a_matrix(layer, module), adapter.b_matrix(layer, module)):
                             want += [(row.data_ptr(), row.nbytes) for row in m]
         assert got == want, layer
+
+
+@pytest.mark.skipif(
+    not getattr(cpu_lora.load_linear(), "fuses", False),
+    reason="the projection takes a LoRA call with AMX only",
+)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
+def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(rows):
+    """q, k and v's projection and LoRA call (tokens on three adapters in any order, runs of
+    one) in one native call: the bits of the projection, then the call, apart; a product that
+    cannot take the call (past NATIVE_LINEAR_MAX_ROWS) is refused it."""
+    torch.manual_seed(rows)
+    fin, widths, rank, adapters = 576, (576, 192, 192), 8, 3
+    weight = (torch.randn(sum(widths), fin) * 0.05).bfloat16()
+    linear = device.Linear(weight)
+    a = (torch.randn(len(widths), adapters * rank, fin) * 0.05).bfloat16()
+    b = [(torch.randn(adapters * rank, width) * 0.05).bfloat16() for width in widths]
+    pool = torch.cat([a.flatten(), *[m.flatten() for m in b]])
+    a_rows = (torch.arange(a.shape[0] * a.shape[1]) * fin).view(a.shape[0], a.shape[1])
+    b_rows, at = [], a.numel()
+    for width, matrix in zip(widths, b, strict=True):
+        b_rows.append(at + torch.arange(adapters * rank) * width)
+        at += matrix.numel()
+    slots = torch.randint(0, adapters, (rows,))
+    scales = torch.tensor([0.5, 1.0, 2.0])
+    outputs = cpu_lora.Outputs([(0, 0, 576), (1, 576, 192), (2, 768, 192)])
+    call = cpu_lora.load().bind(
+        pool, a_rows, torch.stack(b_rows), slots, rank, scales, outputs, 0, rows
+    )
+    x = torch.randn(rows, fin).bfloat16()
+    apart = linear(x)
+    call(x, apart)
+    fused = linear(x, lora=call)
+    assert torch.equal(fused, apart)
+    assert not torch.equal(fused, linear(x))
+    with pytest.raises(ValueError, match="does not take"):
+        linear(torch.randn(device.NATIVE_LINEAR_MAX_ROWS + 1, fin).bfloat16(), lora=call)

@@ -161,11 +161,21 @@ class TorchLoRA:
         return self.kernel is not None and rank <= cpu_lora.MAX_RANK
 
     def add(self, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor) -> None:
+        for call in self._calls_of(layer, modules):
+            call(x, y)
+
+    def fused(self, layer: int, modules: Modules) -> cpu_lora.BoundLoRA | None:
+        """The one native call `add` makes for `modules` of `layer`, for the projection before
+        it to make in its own native call; None where it makes none or several."""
+        calls = self._calls_of(layer, modules)
+        single = len(calls) == 1 and isinstance(calls[0], cpu_lora.BoundLoRA)
+        return calls[0] if single else None
+
+    def _calls_of(self, layer: int, modules: Modules) -> tuple[Callable, ...]:
         calls = self._calls.get((layer, modules))
         if calls is None:
             calls = self._calls[(layer, modules)] = self._bind(layer, modules)
-        for call in calls:
-            call(x, y)
+        return calls
 
     def _bind(self, layer: int, modules: Modules) -> tuple[Callable, ...]:
         """The calls of (x, y) that add `modules`' deltas in `layer`: one a group, native
@@ -317,6 +327,10 @@ class KernelLoRA:
         self.shrink = lora_shrink_triton if use_triton else lora_shrink_reference
         self.expand = lora_expand_triton if use_triton else lora_expand_reference
         self._build_tables(adapters, device)
+
+    def fused(self, layer: int, modules: Modules) -> None:
+        """No native call to fuse: the Triton kernels run on their own."""
+        return None
 
     def fetch(self, layer: int, modules: Modules, in_features: int) -> None:
         """Nothing to bring into cache ahead: the kernels run on a GPU."""
