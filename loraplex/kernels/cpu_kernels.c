@@ -284,6 +284,11 @@ static inline __m512 bf16_widen(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* float32 lanes rounded to bfloat16, as float32 */
+static inline __m512 rounded_bf16(__m512 f) {
+    return _mm512_castsi512_ps(_mm512_and_si512(round_bf16(f), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 /* the sixteen lanes (m of them) rounded to bfloat16 and stored at p */
 static inline void store_bf16x16(uint16_t *p, __mmask16 m, __m512 f) {
     _mm256_mask_storeu_epi16(p, m, narrow_bf16(f));
@@ -1155,7 +1160,9 @@ DEFINE_ATTEND_DECODE(attend_decode_bf16, uint16_t, attend_group_bf16, bf16_to_f3
  *   x, out  [n, dim] contiguous; w [dim]
  * A prompt chunk's rows go on every thread (256 rows of 576: 36 -> 19 us); a decode step's few
  * rows on one, where waking the other costs more than it saves. */
-/* not inlined: one compiled body, so both entry points sum a row in the same order */
+/* not inlined: one compiled body, so both entry points sum a row in the same order. The sum
+ * stays the compiler's vector loop (torch's bits in the tests' cases); the rest, element by
+ * element, is written out in AVX-512 where the target has it. */
 __attribute__((noinline)) static void norm_row_bf16(const uint16_t *xi, const uint16_t *w,
                                                     uint16_t *oi, int64_t dim, float eps) {
     float ss = 0.0f;
@@ -1165,16 +1172,29 @@ __attribute__((noinline)) static void norm_row_bf16(const uint16_t *xi, const ui
         ss += v * v;
     }
     const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m512 rv = _mm512_set1_ps(r);
+    for (int64_t k = 0; k < dim; k += 16) {
+        const __mmask16 m = tail_mask(dim - k);
+        const __m512 normed = rounded_bf16(_mm512_mul_ps(bf16x16(xi + k, m), rv));
+        store_bf16x16(oi + k, m, _mm512_mul_ps(bf16x16(w + k, m), normed));
+    }
+#else
 #pragma omp simd
     for (int64_t k = 0; k < dim; k++) {
         const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xi[k]) * r));
         oi[k] = f32_to_bf16(bf16_to_f32(w[k]) * normed);
     }
+#endif
 }
+
+/* rows a thread takes at least: fewer (a decode step's) go on one thread as soon as below two
+ * threads' worth, where waking the other costs more than it saves */
+#define NORM_ROWS_A_THREAD 16
 
 void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, int64_t dim,
                    float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 64)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
     for (int64_t i = 0; i < n; i++) norm_row_bf16(x + i * dim, w, out + i * dim, dim, eps);
 }
 
@@ -1183,12 +1203,19 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t 
  * contiguous. */
 void add_rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *w, uint16_t *out,
                        int64_t n, int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 64)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
     for (int64_t i = 0; i < n; i++) {
         uint16_t *hi = hidden + i * dim;
         const uint16_t *di = delta + i * dim;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        for (int64_t k = 0; k < dim; k += 16) {
+            const __mmask16 m = tail_mask(dim - k);
+            store_bf16x16(hi + k, m, _mm512_add_ps(bf16x16(hi + k, m), bf16x16(di + k, m)));
+        }
+#else
 #pragma omp simd
         for (int64_t k = 0; k < dim; k++) hi[k] = f32_to_bf16(bf16_to_f32(hi[k]) + bf16_to_f32(di[k]));
+#endif
         norm_row_bf16(hi, w, out + i * dim, dim, eps);
     }
 }
@@ -1216,10 +1243,6 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 rounded_bf16(__m512 f) {
-    return _mm512_castsi512_ps(_mm512_and_si512(round_bf16(f), _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t inter) {
@@ -1261,6 +1284,23 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t n, int64_t i
 static inline void rope_head_bf16(const uint16_t *x, const uint16_t *c, const uint16_t *s,
                                   int64_t dim, uint16_t *out) {
     const int64_t half = dim / 2;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (half % 16 == 0) { /* sixteen at a time: each half's lanes against the other half's */
+        const __m512 minus = _mm512_set1_ps(-0.0f);
+        for (int64_t i = 0; i < half; i += 16) {
+            const __m512 first = bf16x16(x + i, 0xffff), second = bf16x16(x + half + i, 0xffff);
+            const __m512 c1 = bf16x16(c + i, 0xffff), c2 = bf16x16(c + half + i, 0xffff);
+            const __m512 s1 = bf16x16(s + i, 0xffff), s2 = bf16x16(s + half + i, 0xffff);
+            const __m512 a1 = rounded_bf16(_mm512_mul_ps(first, c1));
+            const __m512 b1 = rounded_bf16(_mm512_mul_ps(_mm512_xor_ps(second, minus), s1));
+            const __m512 a2 = rounded_bf16(_mm512_mul_ps(second, c2));
+            const __m512 b2 = rounded_bf16(_mm512_mul_ps(first, s2));
+            store_bf16x16(out + i, 0xffff, _mm512_add_ps(a1, b1));
+            store_bf16x16(out + half + i, 0xffff, _mm512_add_ps(a2, b2));
+        }
+        return;
+    }
+#endif
     for (int64_t i = 0; i < dim; i++) {
         const float rotated = i < half ? -bf16_to_f32(x[i + half]) : bf16_to_f32(x[i - half]);
         const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));
@@ -1277,7 +1317,7 @@ int rope_write_bf16(const uint16_t *qkv, int64_t qkv_stride, int64_t n, int64_t 
     for (int64_t t = 0; t < n; t++)
         if (positions[t] < 0 || positions[t] >= max_positions) return 1;
     const int64_t kv_width = kv_heads * dim;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 64)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
     for (int64_t t = 0; t < n; t++) {
         const uint16_t *row = qkv + t * qkv_stride;
         const uint16_t *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;
