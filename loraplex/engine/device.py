@@ -174,8 +174,9 @@ class Linear:
 
     With `decode_kernel` and where choose_linear_bf16 offers it, batches of up to
     NATIVE_LINEAR_MAX_ROWS rows (decode steps) go through the native bfloat16 projection, which
-    on AVX512-BF16 also brings the next LoRA call's adapter rows into cache while it computes
-    (`fetch`); this keeps a second copy of W, packed for it, beside oneDNN's for larger batches."""
+    makes the LoRA call after it in the same native call (`lora`) and, on AVX512-BF16, brings
+    that call's adapter rows into cache while it computes (`fetch`); this keeps a second copy of
+    W, packed for it, beside oneDNN's for larger batches."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, decode_kernel: bool = True

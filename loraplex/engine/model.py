@@ -158,16 +158,15 @@ def _project(
 ) -> torch.Tensor:
     """projection(x), plus the LoRA deltas of `modules` (each at its columns of the output) for
     the tokens whose adapter changes them: in the projection's own native call where it takes
-    the LoRA call (AMX); else after it, the adapter rows brought into cache during the
-    projection where it fetches (AVX512-BF16)."""
+    the LoRA call, else after it; the adapter rows brought into cache during the projection
+    where it fetches (AVX512-BF16)."""
     lora = batch.lora
     if lora is None:
         return projection(x)
-    if projection.fuses(x):
-        call = lora.fused(layer, modules)
-        if call is not None:
-            return projection(x, lora=call)
     fetch = lora.fetch(layer, modules, x.shape[-1]) if projection.fetches(x) else None
+    call = lora.fused(layer, modules) if projection.fuses(x) else None
+    if call is not None:
+        return projection(x, fetch, lora=call)
     out = projection(x, fetch)
     lora.add(layer, modules, x, out)
     return out

@@ -1424,6 +1424,21 @@ int linear_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) 
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* A projection's arguments: x [m, k] (rows x_stride apart) -> y [m, n] (rows y_stride apart);
+ * bias [n] or NULL; fetch_at, fetch_bytes [fetches]: memory ranges to bring into cache meanwhile
+ * (only where linear_fetches_bf16). */
+typedef struct {
+    const uint16_t *x;
+    int64_t x_stride, m, k;
+    const uint16_t *packed;
+    int64_t n;
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t y_stride;
+    const int64_t *fetch_at, *fetch_bytes;
+    int64_t fetches;
+} LinearCall;
+
 #if defined(HAVE_AMX)
 /* AMX: tiles of up to 16 rows of 64 bytes; tdpbf16ps adds A [16 rows, 32 bfloat16] times B [16
  * input pairs, 16 columns of pairs] into C [16 rows, 16 float32].
@@ -1463,18 +1478,6 @@ static void tail_pairs(float *sums, int64_t rows, const uint16_t *x, int64_t x_s
         _mm512_storeu_ps(sums + i * 32 + 16, right);
     }
 }
-
-/* A projection's arguments: x [m, k] (m <= 32; rows x_stride apart) -> y [m, n] (rows y_stride
- * apart); bias [n] or NULL. */
-typedef struct {
-    const uint16_t *x;
-    int64_t x_stride, m, k;
-    const uint16_t *packed;
-    int64_t n;
-    const uint16_t *bias;
-    uint16_t *y;
-    int64_t y_stride;
-} LinearCall;
 
 /* Thread th of nt's share of a projection: its run of the blocks, split evenly. */
 static void linear_thread_amx(const LinearCall *call, int64_t th, int64_t nt) {
@@ -1540,53 +1543,22 @@ static void linear_thread_amx(const LinearCall *call, int64_t th, int64_t nt) {
     _tile_release();
 }
 
-/* No fetches (linear_fetches_bf16). */
-int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
-                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
-                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
-                int64_t fetches, int num_threads) {
-    (void)fetch_at, (void)fetch_bytes;
-    if (k % 2 != 0 || m > 32 || fetches > 0) return 1;
-    if (!amx_granted()) return 2;
-    const LinearCall call = {x, x_stride, m, k, packed, n, bias, y, y_stride};
-#pragma omp parallel num_threads(num_threads)
-    linear_thread_amx(&call, omp_get_thread_num(), omp_get_num_threads());
-    return 0;
+/* 1 if the call does not fit (k odd, more than 32 rows, or fetches: linear_fetches_bf16), 2
+ * without the tiles, else 0. */
+static int linear_refuses(const LinearCall *call) {
+    if (call->k % 2 != 0 || call->m > 32 || call->fetches > 0) return 1;
+    return amx_granted() ? 0 : 2;
 }
 
-/* Whether linear_lora_bf16 runs here. */
-int linear_fuses_bf16(void) { return amx_granted(); }
-
-/* The projection x -> y and then a LoRA call on rows of them (its arguments as lora_apply_bf16
- * takes them, lx and ly within x and y), in one parallel region, the threads meeting between
- * the two: a decode step's projection and the LoRA call after it each cost a ctypes call and an
- * OpenMP region of their own, about 6 us, 120 times a step of all-module adapters. */
-int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
-                     const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
-                     int64_t y_stride, const uint16_t *lx, int64_t lx_stride, uint16_t *ly,
-                     int64_t ly_stride, int64_t ln, int64_t fin, int64_t modules,
-                     const int64_t *mods, const int64_t *cols, const int64_t *fouts,
-                     const uint16_t *pool, const int64_t *a_rows, const int64_t *b_rows,
-                     int64_t mstride, const int64_t *slots, int64_t r, const float *scales,
-                     int num_threads) {
-    if (k % 2 != 0 || m > 32 || r > MAX_RANK || modules > MAX_MODULES) return 1;
-    if (!amx_granted()) return 2;
-    const LinearCall linear = {x, x_stride, m, k, packed, n, bias, y, y_stride};
-    const LoRACall lora = {lx,    lx_stride, ly,     ly_stride, ln,      fin,   modules, mods, cols,
-                           fouts, pool,      a_rows, b_rows,    mstride, slots, r,       scales};
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();
-        linear_thread_amx(&linear, th, nt);
-#pragma omp barrier
-        lora_thread_bf16(&lora, th, nt);
-    }
-    return 0;
+static int linear_threads(const LinearCall *call, int num_threads) {
+    (void)call;
+    return num_threads;
 }
+
+#define linear_thread linear_thread_amx
 #else
 int linear_native_bf16(void) { return 1; }
 int linear_fetches_bf16(void) { return 1; }
-int linear_fuses_bf16(void) { return 0; }
 
 /* Memory ranges a thread brings into cache while it computes, `pace` lines a step of k: the
  * rows of the adapters the next LoRA call reads (see linear_bf16). */
@@ -1646,56 +1618,105 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
 }
 
-/* x [m, k] (rows x_stride apart) -> y [m, n] (rows y_stride apart); bias [n] or NULL. Work is
- * (block, tile of rows) items in block order, split evenly between the threads, so each thread
- * reads its run of blocks once from memory (a block stays in L2 across its row tiles).
+/* Thread th of nt's share of a projection. Work is (block, tile of rows) items in block order,
+ * split evenly between the threads, so each thread reads its run of blocks once from memory (a
+ * block stays in L2 across its row tiles).
  *
- * fetch_at, fetch_bytes [fetches]: memory ranges to bring into cache meanwhile (fetches may be
- * 0), split between the threads in order as evenly as their count, and spread over each
- * thread's work. The engine passes the adapter rows of the LoRA call that follows, in the
- * order of its tokens: a decode step's dense products are bound by arithmetic and leave most
- * of the memory bandwidth unused, and the LoRA kernel, which is bound by memory, then finds
- * its rows in cache (each thread the rows of the tokens it takes, the kernel splitting tokens
- * in halves as this splits ranges). */
-int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
-                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
-                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
-                int64_t fetches, int num_threads) {
-    if (k % 2 != 0) return 1;
+ * The call's fetch ranges are split between the threads in order as evenly as their count, and
+ * spread over each thread's work. The engine passes the adapter rows of the LoRA call that
+ * follows, in the order of its tokens: a decode step's dense products are bound by arithmetic and leave most of the memory
+ * bandwidth unused, and the LoRA kernel, which is bound by memory, then finds its rows in cache
+ * (each thread the rows of the tokens it takes, the kernel splitting tokens in halves as this
+ * splits ranges). */
+static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
+    const uint16_t *x = call->x, *packed = call->packed, *bias = call->bias;
+    const int64_t x_stride = call->x_stride, m = call->m, k = call->k, n = call->n;
     const int64_t blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
     const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS, items = blocks * tiles;
     const int64_t block_numel = LINEAR_COLS * k, block_lines = block_numel * 2 / 64;
     /* lines of the next block a step of k: all of it over this block's tiles */
     const int64_t steps = tiles * (k / 2), pace = (block_lines + steps - 1) / steps;
-    const int threads = items < num_threads ? (int)items : num_threads;
-#pragma omp parallel num_threads(threads)
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t first = items * t / nt, last = items * (t + 1) / nt;
-        Ranges extra = thread_ranges(fetch_at, fetch_bytes, fetches, t, nt, (last - first) * (k / 2));
-        for (int64_t item = first; item < last; item++) {
-            const int64_t b = item / tiles, tile = item % tiles;
-            const int64_t row = tile * LINEAR_ROWS, col = b * LINEAR_COLS;
-            const int rows = m - row < LINEAR_ROWS ? (int)(m - row) : LINEAR_ROWS;
-            const int64_t cols = n - col < LINEAR_COLS ? n - col : LINEAR_COLS;
-            const int fetch = b + 1 < blocks && (last - 1) / tiles > b;
-            const char *next = (const char *)(packed + (b + 1) * block_numel);
-            const char *from = fetch ? next + tile * (k / 2) * pace * 64 : NULL;
-            const char *to = fetch ? next + block_numel * 2 : NULL;
-            const uint16_t *xr = x + row * x_stride, *block = packed + b * block_numel;
-            const uint16_t *bias_b = bias != NULL ? bias + col : NULL;
-            uint16_t *yr = y + row * y_stride + col;
-            switch (rows) { /* the tile specialised for each row count */
-            case 4: linear_tile(xr, x_stride, 4, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
-            case 3: linear_tile(xr, x_stride, 3, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
-            case 2: linear_tile(xr, x_stride, 2, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
-            default: linear_tile(xr, x_stride, 1, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra);
-            }
+    const int64_t first = items * t / nt, last = items * (t + 1) / nt;
+    Ranges extra = thread_ranges(call->fetch_at, call->fetch_bytes, call->fetches, t, nt,
+                                 (last - first) * (k / 2));
+    for (int64_t item = first; item < last; item++) {
+        const int64_t b = item / tiles, tile = item % tiles;
+        const int64_t row = tile * LINEAR_ROWS, col = b * LINEAR_COLS;
+        const int rows = m - row < LINEAR_ROWS ? (int)(m - row) : LINEAR_ROWS;
+        const int64_t cols = n - col < LINEAR_COLS ? n - col : LINEAR_COLS;
+        const int fetch = b + 1 < blocks && (last - 1) / tiles > b;
+        const char *next = (const char *)(packed + (b + 1) * block_numel);
+        const char *from = fetch ? next + tile * (k / 2) * pace * 64 : NULL;
+        const char *to = fetch ? next + block_numel * 2 : NULL;
+        const uint16_t *xr = x + row * x_stride, *block = packed + b * block_numel;
+        const uint16_t *bias_b = bias != NULL ? bias + col : NULL;
+        uint16_t *yr = call->y + row * call->y_stride + col;
+        const int64_t y_stride = call->y_stride;
+        switch (rows) { /* the tile specialised for each row count */
+        case 4: linear_tile(xr, x_stride, 4, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
+        case 3: linear_tile(xr, x_stride, 3, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
+        case 2: linear_tile(xr, x_stride, 2, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
+        default: linear_tile(xr, x_stride, 1, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra);
         }
+    }
+}
+
+static int linear_refuses(const LinearCall *call) { return call->k % 2 != 0; }
+
+/* no more threads than work items (a narrow product of a few rows on one) */
+static int linear_threads(const LinearCall *call, int num_threads) {
+    const int64_t items = (call->n + LINEAR_COLS - 1) / LINEAR_COLS * ((call->m + LINEAR_ROWS - 1) / LINEAR_ROWS);
+    return items < num_threads ? (int)items : num_threads;
+}
+#endif /* HAVE_AMX */
+
+/* x [m, k] -> y [m, n], as LinearCall describes them; 0, or linear_refuses's refusal. */
+int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                int64_t fetches, int num_threads) {
+    const LinearCall call = {x, x_stride, m, k, packed, n, bias, y, y_stride,
+                             fetch_at, fetch_bytes, fetches};
+    const int refused = linear_refuses(&call);
+    if (refused) return refused;
+#pragma omp parallel num_threads(linear_threads(&call, num_threads))
+    linear_thread(&call, omp_get_thread_num(), omp_get_num_threads());
+    return 0;
+}
+
+/* Whether linear_lora_bf16 runs here: wherever linear_bf16 does. */
+int linear_fuses_bf16(void) { return linear_native_bf16(); }
+
+/* The projection x -> y (its fetch ranges brought into cache meanwhile) and then a LoRA call
+ * on rows of them (its arguments as lora_apply_bf16 takes them, lx and ly within x and y), in
+ * one parallel region, the threads meeting between the two: a decode step's projection and
+ * the LoRA call after it each cost a ctypes call and an OpenMP region of their own, about 6 us,
+ * 120 times a step of all-module adapters. */
+int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                     const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                     int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                     int64_t fetches, const uint16_t *lx, int64_t lx_stride, uint16_t *ly,
+                     int64_t ly_stride, int64_t ln, int64_t fin, int64_t modules,
+                     const int64_t *mods, const int64_t *cols, const int64_t *fouts,
+                     const uint16_t *pool, const int64_t *a_rows, const int64_t *b_rows,
+                     int64_t mstride, const int64_t *slots, int64_t r, const float *scales,
+                     int num_threads) {
+    const LinearCall linear = {x, x_stride, m, k, packed, n, bias, y, y_stride,
+                               fetch_at, fetch_bytes, fetches};
+    const int refused = linear_refuses(&linear);
+    if (refused) return refused;
+    if (r > MAX_RANK || modules > MAX_MODULES) return 1;
+    const LoRACall lora = {lx,    lx_stride, ly,     ly_stride, ln,      fin,   modules, mods, cols,
+                           fouts, pool,      a_rows, b_rows,    mstride, slots, r,       scales};
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();
+        linear_thread(&linear, th, nt);
+#pragma omp barrier
+        lora_thread_bf16(&lora, th, nt);
     }
     return 0;
 }
-#endif /* HAVE_AMX */
 #else
 int linear_native_bf16(void) { return 0; }
 int linear_fetches_bf16(void) { return 0; }

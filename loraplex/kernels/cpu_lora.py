@@ -393,7 +393,7 @@ class CpuLinearBf16(_PerDtype):
     either (and, with AMX, Linux grants the tiles), and nothing elsewhere. `fetches`: whether
     it takes memory ranges to bring into cache meanwhile (not with AMX, where the products are
     bound by memory themselves); `fuses`: whether it makes the LoRA call after it in the same
-    native call (with AMX)."""
+    native call (wherever it runs)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
@@ -404,7 +404,7 @@ class CpuLinearBf16(_PerDtype):
         self.fetches = native and bool(lib.linear_fetches_bf16())
         self.fuses = native and bool(lib.linear_fuses_bf16())
         if self.fuses:
-            fused = argtypes[:9] + _ARGTYPES  # the projection's, then the LoRA call's
+            fused = argtypes[:-1] + _ARGTYPES  # the projection's but its threads, the call's
             self._fused = _bind(lib, "linear_lora", fused, ctypes.c_int, bf16)[torch.bfloat16]
         self._functions = _bind(lib, "linear", argtypes, ctypes.c_int, bf16) if native else {}
         numel = [ctypes.c_int64] * 2
@@ -441,20 +441,18 @@ class CpuLinearBf16(_PerDtype):
         rows, k = x2.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         if rows:
+            fetched = fetch is not None and fetch.count > 0
             projection = (
                 x2.data_ptr(), x2.stride(0), rows, k, packed.data_ptr(), n,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), n,
+                fetch.at.data_ptr() if fetched else None,
+                fetch.bytes.data_ptr() if fetched else None, fetch.count if fetched else 0,
             )  # fmt: skip
             then = lora.arguments(x2, y) if lora is not None else None
             if then is not None:
                 status = self._fused(*projection, *then)
             else:
-                fetched = fetch is not None and fetch.count > 0
-                status = self._functions[torch.bfloat16](
-                    *projection, fetch.at.data_ptr() if fetched else None,
-                    fetch.bytes.data_ptr() if fetched else None, fetch.count if fetched else 0,
-                    torch.get_num_threads(),
-                )  # fmt: skip
+                status = self._functions[torch.bfloat16](*projection, torch.get_num_threads())
             if status != 0:
                 raise ValueError(f"the packed bfloat16 projection cannot run here ({status})")
         return y if flat else y.view(*x.shape[:-1], n)
