@@ -22,8 +22,10 @@ def paged_attention(
 
     kv_cache already holds this step's keys and values.
     """
-    out = torch.empty_like(q)
     rows = batch.num_row_queries
+    if rows == q.shape[0] and not batch.prefills:  # a decode step: nothing to put together
+        return _row_queries(q, kv_cache, batch, scale)
+    out = torch.empty_like(q)
     if rows:
         out[:rows] = _row_queries(q[:rows], kv_cache, batch, scale)
     for span in batch.prefills:

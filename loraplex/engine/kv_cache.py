@@ -49,6 +49,8 @@ class KVCacheManager:
         self.pages = pool.data.view(
             pool.num_pages, model.num_layers, page_size, 2, model.num_kv_heads, model.head_dim
         )
+        # each layer's view, made once rather than at every layer of every step
+        self._layers = [self.pages[:, layer] for layer in range(model.num_layers)]
         self._page_of: dict[bytes, int] = {}  # key -> the page holding that block's KV
         self._key_of: dict[int, bytes] = {}  # the reverse, for named pages only
         self._users: dict[int, int] = {}  # named page -> sequences whose tables hold it
@@ -58,7 +60,7 @@ class KVCacheManager:
 
     def layer_cache(self, layer: int) -> torch.Tensor:
         """[num_pages, page_size, 2, num_kv_heads, head_dim] view of one layer."""
-        return self.pages[:, layer]
+        return self._layers[layer]
 
     @property
     def num_cached_pages(self) -> int:

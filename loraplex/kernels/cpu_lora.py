@@ -52,13 +52,25 @@ def _compiler() -> str | None:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's flags as the kernel reports them (none where it does not)."""
+def cpu_info() -> dict[str, str]:
+    """The first CPU's fields as the kernel reports them in /proc/cpuinfo (none where it does
+    not): "vendor_id", "cpu family", "flags", ..."""
+    info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return frozenset(next((ln for ln in cpuinfo if ln.startswith("flags")), "").split())
+            for line in cpuinfo:
+                if not line.strip():
+                    break  # the first CPU's fields end at the first blank line
+                name, _, value = line.partition(":")
+                info[name.strip()] = value.strip()
     except OSError:
-        return frozenset()
+        pass
+    return info
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags as the kernel reports them (none where it does not)."""
+    return frozenset(cpu_info().get("flags", "").split())
 
 
 def _build_key(compiler: str) -> str:
