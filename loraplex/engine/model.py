@@ -161,12 +161,12 @@ def _project(
     the LoRA call, else after it; the adapter rows brought into cache during the projection
     where it fetches (AVX512-BF16)."""
     lora = batch.lora
-    if lora is None:
+    plan = lora.plan(layer, modules) if lora is not None else None
+    if plan is None:
         return projection(x)
     fetch = lora.fetch(layer, modules, x.shape[-1]) if projection.fetches(x) else None
-    call = lora.fused(layer, modules) if projection.fuses(x) else None
-    if call is not None:
-        return projection(x, fetch, lora=call)
+    if plan.fused is not None and projection.fuses(x):
+        return projection(x, fetch, lora=plan.fused)
     out = projection(x, fetch)
-    lora.add(layer, modules, x, out)
+    plan.add(x, out)
     return out

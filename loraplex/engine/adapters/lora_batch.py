@@ -122,6 +122,28 @@ class RunGroup:
         )
 
 
+@dataclass(frozen=True)
+class ProjectionLoRA:
+    """What one projection of one layer takes from a step's LoRA batch: the calls of (x, y)
+    that add its modules' deltas to its output, and, where that is one native kernel call, the
+    call itself, which the native projection can make in its own call (`fused`)."""
+
+    calls: tuple[Callable, ...]
+    fused: cpu_lora.BoundLoRA | None
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        for call in self.calls:
+            call(x, y)
+
+
+def _projection_lora(calls: list[Callable]) -> ProjectionLoRA | None:
+    """None for no calls (no token's adapter changes the projection)."""
+    if not calls:
+        return None
+    single = len(calls) == 1 and isinstance(calls[0], cpu_lora.BoundLoRA)
+    return ProjectionLoRA(tuple(calls), calls[0] if single else None)
+
+
 class TorchLoRA:
     """Per group of runs: the native kernel reads the adapters' rows in place (decode tokens and
     prefill spans up to KERNEL_MAX_SPAN); without it, decode tokens' rows are gathered from the
@@ -142,7 +164,7 @@ class TorchLoRA:
         self.kernel = kernel
         self._windows: dict[int, torch.Tensor] = {}
         self._fetches: dict[tuple[int, Modules], cpu_lora.Fetch | None] = {}
-        self._calls: dict[tuple[int, Modules], tuple[Callable, ...]] = {}
+        self._plans: dict[tuple[int, Modules], ProjectionLoRA | None] = {}
         self.spans: list[TokenRun] = []
         grouped: list[TokenRun] = []
         for start, end, adapter in _split_at(adapter_runs(token_adapters), num_decodes):
@@ -160,24 +182,15 @@ class TorchLoRA:
         """Whether the native kernel applies adapters of this rank."""
         return self.kernel is not None and rank <= cpu_lora.MAX_RANK
 
-    def add(self, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor) -> None:
-        for call in self._calls_of(layer, modules):
-            call(x, y)
+    def plan(self, layer: int, modules: Modules) -> ProjectionLoRA | None:
+        """What the projection of `modules` in `layer` takes from this batch (made at its first
+        use, kept for every step of an unchanged batch); None where no adapter changes it."""
+        key = (layer, modules)
+        if key not in self._plans:
+            self._plans[key] = _projection_lora(self._bind(layer, modules))
+        return self._plans[key]
 
-    def fused(self, layer: int, modules: Modules) -> cpu_lora.BoundLoRA | None:
-        """The one native call `add` makes for `modules` of `layer`, for the projection before
-        it to make in its own native call; None where it makes none or several."""
-        calls = self._calls_of(layer, modules)
-        single = len(calls) == 1 and isinstance(calls[0], cpu_lora.BoundLoRA)
-        return calls[0] if single else None
-
-    def _calls_of(self, layer: int, modules: Modules) -> tuple[Callable, ...]:
-        calls = self._calls.get((layer, modules))
-        if calls is None:
-            calls = self._calls[(layer, modules)] = self._bind(layer, modules)
-        return calls
-
-    def _bind(self, layer: int, modules: Modules) -> tuple[Callable, ...]:
+    def _bind(self, layer: int, modules: Modules) -> list[Callable]:
         """The calls of (x, y) that add `modules`' deltas in `layer`: one a group, native
         kernel calls with their arguments converted once (a step makes four a layer, and the
         same ones again every step of an unchanged batch), and one for the long spans."""
@@ -197,7 +210,7 @@ class TorchLoRA:
             for module, *_ in modules
         ):
             calls.append(functools.partial(self._spans, layer, modules))
-        return tuple(calls)
+        return calls
 
     def _gathered(
         self, g: RunGroup, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor
@@ -328,9 +341,12 @@ class KernelLoRA:
         self.expand = lora_expand_triton if use_triton else lora_expand_reference
         self._build_tables(adapters, device)
 
-    def fused(self, layer: int, modules: Modules) -> None:
-        """No native call to fuse: the Triton kernels run on their own."""
-        return None
+    def plan(self, layer: int, modules: Modules) -> ProjectionLoRA | None:
+        """One call of the kernels for the projection's modules (none to fuse: the Triton
+        kernels run on their own); None where no adapter changes them."""
+        if not self.active or not any(self.active[layer][MODULE_INDEX[m]] for m, *_ in modules):
+            return None
+        return ProjectionLoRA((functools.partial(self.add, layer, modules),), None)
 
     def fetch(self, layer: int, modules: Modules, in_features: int) -> None:
         """Nothing to bring into cache ahead: the kernels run on a GPU."""
