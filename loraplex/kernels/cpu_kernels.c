@@ -1624,10 +1624,10 @@ static inline __attribute__((always_inline)) void linear_tile(
  *
  * The call's fetch ranges are split between the threads in order as evenly as their count, and
  * spread over each thread's work. The engine passes the adapter rows of the LoRA call that
- * follows, in the order of its tokens: a decode step's dense products are bound by arithmetic and leave most of the memory
- * bandwidth unused, and the LoRA kernel, which is bound by memory, then finds its rows in cache
- * (each thread the rows of the tokens it takes, the kernel splitting tokens in halves as this
- * splits ranges). */
+ * follows, in the order of its tokens: a decode step's dense products are bound by arithmetic
+ * and leave most of the memory bandwidth unused, and the LoRA kernel, which is bound by memory,
+ * then finds its rows in cache (each thread the rows of the tokens it takes, the kernel
+ * splitting tokens in halves as this splits ranges). */
 static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
     const uint16_t *x = call->x, *packed = call->packed, *bias = call->bias;
     const int64_t x_stride = call->x_stride, m = call->m, k = call->k, n = call->n;
@@ -1665,7 +1665,8 @@ static int linear_refuses(const LinearCall *call) { return call->k % 2 != 0; }
 
 /* no more threads than work items (a narrow product of a few rows on one) */
 static int linear_threads(const LinearCall *call, int num_threads) {
-    const int64_t items = (call->n + LINEAR_COLS - 1) / LINEAR_COLS * ((call->m + LINEAR_ROWS - 1) / LINEAR_ROWS);
+    const int64_t blocks = (call->n + LINEAR_COLS - 1) / LINEAR_COLS;
+    const int64_t items = blocks * ((call->m + LINEAR_ROWS - 1) / LINEAR_ROWS);
     return items < num_threads ? (int)items : num_threads;
 }
 #endif /* HAVE_AMX */
@@ -1678,7 +1679,7 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     const LinearCall call = {x, x_stride, m, k, packed, n, bias, y, y_stride,
                              fetch_at, fetch_bytes, fetches};
     const int refused = linear_refuses(&call);
-    if (refused) return refused;
+    if (refused || m <= 0 || n <= 0) return refused; /* no rows or columns: nothing to do */
 #pragma omp parallel num_threads(linear_threads(&call, num_threads))
     linear_thread(&call, omp_get_thread_num(), omp_get_num_threads());
     return 0;
@@ -1704,8 +1705,8 @@ int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     const LinearCall linear = {x, x_stride, m, k, packed, n, bias, y, y_stride,
                                fetch_at, fetch_bytes, fetches};
     const int refused = linear_refuses(&linear);
-    if (refused) return refused;
-    if (r > MAX_RANK || modules > MAX_MODULES) return 1;
+    if (refused || r > MAX_RANK || modules > MAX_MODULES) return refused ? refused : 1;
+    if (m <= 0 || n <= 0) return 0; /* no rows or columns: nothing to do (nor any LoRA rows) */
     const LoRACall lora = {lx,    lx_stride, ly,     ly_stride, ln,      fin,   modules, mods, cols,
                            fouts, pool,      a_rows, b_rows,    mstride, slots, r,       scales};
 #pragma omp parallel num_threads(num_threads)
