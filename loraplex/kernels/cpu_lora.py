@@ -68,6 +68,7 @@ def cpu_info() -> dict[str, str]:
     return info
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's flags as the kernel reports them (none where it does not)."""
     return frozenset(cpu_info().get("flags", "").split())
