@@ -203,17 +203,13 @@ class Linear:
         """Whether the product of x takes a `fetch` (the native projection, where it fetches)."""
         return self.native(x) and self._native.fetches
 
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether the product of x takes a `lora` call (the native projection, where it fuses)."""
-        return self.native(x) and self._native.fuses
-
     def __call__(
         self,
         x: torch.Tensor,
         fetch: cpu_lora.Fetch | None = None,
         lora: cpu_lora.BoundLoRA | None = None,
     ) -> torch.Tensor:
-        if lora is not None and not self.fuses(x):
+        if lora is not None and not self.native(x):
             raise ValueError("this projection of x does not take a LoRA call")
         if self.native(x):
             native, packed, n = self._native, self._native_packed, self.out_features

@@ -165,7 +165,7 @@ def _project(
     if plan is None:
         return projection(x)
     fetch = lora.fetch(layer, modules, x.shape[-1]) if projection.fetches(x) else None
-    if plan.fused is not None and projection.fuses(x):
+    if plan.fused is not None and projection.native(x):
         return projection(x, fetch, lora=plan.fused)
     out = projection(x, fetch)
     plan.add(x, out)

@@ -1685,14 +1685,11 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     return 0;
 }
 
-/* Whether linear_lora_bf16 runs here: wherever linear_bf16 does. */
-int linear_fuses_bf16(void) { return linear_native_bf16(); }
-
 /* The projection x -> y (its fetch ranges brought into cache meanwhile) and then a LoRA call
  * on rows of them (its arguments as lora_apply_bf16 takes them, lx and ly within x and y), in
- * one parallel region, the threads meeting between the two: a decode step's projection and
- * the LoRA call after it each cost a ctypes call and an OpenMP region of their own, about 6 us,
- * 120 times a step of all-module adapters. */
+ * one parallel region, the threads meeting between the two; wherever linear_bf16 runs. Apart,
+ * a decode step's projection and the LoRA call after it each cost a ctypes call and an OpenMP
+ * region of their own, about 6 us, 120 times a step of all-module adapters. */
 int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                      const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
                      int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
@@ -1721,7 +1718,6 @@ int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
 #else
 int linear_native_bf16(void) { return 0; }
 int linear_fetches_bf16(void) { return 0; }
-int linear_fuses_bf16(void) { return 0; }
 
 int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                 const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,

@@ -405,8 +405,8 @@ class CpuLinearBf16(_PerDtype):
     (+ b) with W packed once. It supports bfloat16 only where the library was compiled for
     either (and, with AMX, Linux grants the tiles), and nothing elsewhere. `fetches`: whether
     it takes memory ranges to bring into cache meanwhile (not with AMX, where the products are
-    bound by memory themselves); `fuses`: whether it makes the LoRA call after it in the same
-    native call (wherever it runs)."""
+    bound by memory themselves). Wherever it runs, it also makes the LoRA call after it in the
+    same native call."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
@@ -415,11 +415,9 @@ class CpuLinearBf16(_PerDtype):
         bf16 = {torch.bfloat16: "bf16"}
         native = bool(lib.linear_native_bf16())
         self.fetches = native and bool(lib.linear_fetches_bf16())
-        self.fuses = native and bool(lib.linear_fuses_bf16())
-        if self.fuses:
-            fused = argtypes[:-1] + _ARGTYPES  # the projection's but its threads, the call's
-            self._fused = _bind(lib, "linear_lora", fused, ctypes.c_int, bf16)[torch.bfloat16]
         self._functions = _bind(lib, "linear", argtypes, ctypes.c_int, bf16) if native else {}
+        fused = argtypes[:-1] + _ARGTYPES  # the projection's but its threads, the call's
+        self._fused = _bind(lib, "linear_lora", fused, ctypes.c_int, bf16) if native else {}
         numel = [ctypes.c_int64] * 2
         self._numel = _bind(lib, "linear_packed_numel", numel, ctypes.c_int64, bf16)[torch.bfloat16]
         pack = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -446,7 +444,7 @@ class CpuLinearBf16(_PerDtype):
     ) -> torch.Tensor:
         """x [..., k] bfloat16 -> [..., n] bfloat16; the memory ranges of `fetch` (only where
         `fetches`) brought into cache meanwhile; then the LoRA call `lora` on (x, y) in the
-        same native call (only where `fuses`, x 2-D)."""
+        same native call (x 2-D)."""
         flat = x.dim() == 2  # a decode step's rows: no reshaping either way (about 1.5 us)
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         if x2.stride(1) != 1:
@@ -454,7 +452,7 @@ class CpuLinearBf16(_PerDtype):
         rows, k = x2.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         if rows:
-            fetched = fetch is not None and fetch.count > 0
+            fetched = bool(fetch)
             projection = (
                 x2.data_ptr(), x2.stride(0), rows, k, packed.data_ptr(), n,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), n,
@@ -463,7 +461,7 @@ class CpuLinearBf16(_PerDtype):
             )  # fmt: skip
             then = lora.arguments(x2, y) if lora is not None else None
             if then is not None:
-                status = self._fused(*projection, *then)
+                status = self._fused[torch.bfloat16](*projection, *then)
             else:
                 status = self._functions[torch.bfloat16](*projection, torch.get_num_threads())
             if status != 0:

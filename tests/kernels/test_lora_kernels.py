@@ -208,24 +208,29 @@ def apply_native(x, y, pool, a_offsets, b_offsets, ranks, scales, segments, kern
         kernel.bind(*tables, rows.start, rows.stop)(x, y)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_native_cpu_kernel_matches_reference(case, dtype, kernel_build):
-    ranks, lens, base_rows = CASES[case]
-    # 600 inputs: one full 512-element chunk of the bfloat16 path and a ragged tail
-    x, y, pool, a_off, b_off, ranks_t, scales, segments = random_case(
-        11, ranks, lens, base_rows, dtype, in_features=600, out_features=300
-    )
+def assert_native_matches_reference(case_tensors, kernel) -> None:
+    """The native kernel's y against the torch reference's, to the dtype's tolerance, and the
+    rows of no segment untouched."""
+    x, y, pool, a_off, b_off, ranks, scales, segments = case_tensors
     y_ref, y_native = y.clone(), y.clone()
-    v = lora_shrink_reference(x, pool, a_off, ranks_t, segments)
-    lora_expand_reference(y_ref, v, pool, b_off, ranks_t, scales, segments)
-    apply_native(x, y_native, pool, a_off, b_off, ranks_t, scales, segments, kernel_build)
-    tol = TOLERANCE[dtype]
+    v = lora_shrink_reference(x, pool, a_off, ranks, segments)
+    lora_expand_reference(y_ref, v, pool, b_off, ranks, scales, segments)
+    apply_native(x, y_native, pool, a_off, b_off, ranks, scales, segments, kernel)
+    tol = TOLERANCE[x.dtype]
     torch.testing.assert_close(y_native.float(), y_ref.float(), atol=tol * 4, rtol=tol)
     covered = torch.zeros(x.shape[0], dtype=torch.bool)
     for start, length in zip(segments.starts.tolist(), segments.lens.tolist(), strict=True):
         covered[start : start + length] = True
     assert torch.equal(y_native[~covered], y[~covered])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_native_cpu_kernel_matches_reference(case, dtype, kernel_build):
+    ranks, lens, base_rows = CASES[case]
+    # 600 inputs: one full 512-element chunk of the bfloat16 path and a ragged tail
+    case_tensors = random_case(11, ranks, lens, base_rows, dtype, in_features=600, out_features=300)
+    assert_native_matches_reference(case_tensors, kernel_build)
 
 
 @pytest.mark.parametrize("ranks", [[16, 16], [8, 2, 16]], ids=["rank 16", "ranks 8, 2, 16"])
@@ -235,19 +240,10 @@ def test_long_prefill_spans_match_reference(ranks, kernel_build):
     end in a partial tile), the rest of each span and elsewhere through the vector blocks.
     Either way the float32 reference's result to a rounding step, and the rows outside the spans
     untouched."""
-    x, y, pool, a_off, b_off, ranks_t, scales, segments = random_case(
+    case_tensors = random_case(
         5, ranks, [40, 16, 70, 3, 33], 1, torch.bfloat16, in_features=576, out_features=300
     )
-    y_ref, y_native = y.clone(), y.clone()
-    v = lora_shrink_reference(x, pool, a_off, ranks_t, segments)
-    lora_expand_reference(y_ref, v, pool, b_off, ranks_t, scales, segments)
-    apply_native(x, y_native, pool, a_off, b_off, ranks_t, scales, segments, kernel_build)
-    tol = TOLERANCE[torch.bfloat16]
-    torch.testing.assert_close(y_native.float(), y_ref.float(), atol=tol * 4, rtol=tol)
-    covered = torch.zeros(x.shape[0], dtype=torch.bool)
-    for start, length in zip(segments.starts.tolist(), segments.lens.tolist(), strict=True):
-        covered[start : start + length] = True
-    assert torch.equal(y_native[~covered], y[~covered])
+    assert_native_matches_reference(case_tensors, kernel_build)
 
 
 def test_native_cpu_kernel_writes_a_column_slice_of_a_wider_output():

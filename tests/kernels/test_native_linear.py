@@ -100,10 +100,6 @@ def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adap
         assert got == want, layer
 
 
-@pytest.mark.skipif(
-    not getattr(cpu_lora.load_linear(), "fuses", False),
-    reason="the native projection does not run on this CPU (neither AMX nor AVX512-BF16)",
-)
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
 def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(rows):
     """q, k and v's projection and LoRA call (tokens on three adapters in any order, runs of
