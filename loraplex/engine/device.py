@@ -143,9 +143,10 @@ def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 _PACKING_ROWS_HINT = 64
 
 
-# The most rows the native bfloat16 projection takes; more (prompt chunks) go to oneDNN, whose
-# blocking wins there (256 rows: 0.77x oneDNN's speed; 64 rows: 0.97x; 32 rows: 1.05-1.14x with
-# weights from memory, measured over SmolLM2's 30 layers on a 2-core Zen 5).
+# The most rows the native bfloat16 projection takes, unless it is faster for any (its FMA
+# build: cpu_lora.CpuLinearBf16.any_rows); more (prompt chunks) go to oneDNN, whose blocking
+# wins there (256 rows: 0.77x oneDNN's speed; 64 rows: 0.97x; 32 rows: 1.05-1.14x with weights
+# from memory, measured over SmolLM2's 30 layers on a 2-core Zen 5).
 NATIVE_LINEAR_MAX_ROWS = 32
 
 
@@ -166,18 +167,21 @@ def native_lm_head() -> bool:
     for decode steps as well, where it was measured faster: with AMX (SmolLM2's 49,152 x 576,
     32 rows: 1.74 against oneDNN's 2.09 ms on a 2-core Xeon) and on AMD's Zen 4 (family 25 with
     AVX512-BF16: 4.8 against 5.3 ms, a decode step of 32 sequences 35.4 against 36.1 ms on a
-    2-core EPYC); not on Zen 5, where oneDNN streamed it faster."""
+    2-core EPYC), and where vdpbf16ps runs at half rate (cpu_lora.dpbf16_half_rate: 49,152 x
+    576, 32 rows at 347 against oneDNN's 215 GFLOP/s on a 2-core Xeon); not on Zen 5, where
+    oneDNN streamed it faster."""
     info = cpu_lora.cpu_info()
     zen4 = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
     flags = cpu_lora.cpu_flags()
-    return "amx_bf16" in flags or (zen4 and "avx512_bf16" in flags)
+    return "amx_bf16" in flags or (zen4 and "avx512_bf16" in flags) or cpu_lora.dpbf16_half_rate()
 
 
 class Linear:
     """y = x W^T (+ b), with W stored however the device runs it fastest.
 
     With `decode_kernel` and where choose_linear_bf16 offers it, batches of up to
-    NATIVE_LINEAR_MAX_ROWS rows (decode steps) go through the native bfloat16 projection, which
+    NATIVE_LINEAR_MAX_ROWS rows (decode steps; any batch in its FMA build, where it is the
+    faster for all) go through the native bfloat16 projection, which
     makes the LoRA call after it in the same native call (`lora`) and, on AVX512-BF16, brings
     that call's adapter rows into cache while it computes (`fetch`); this keeps a second copy of
     W, packed for it, beside oneDNN's for larger batches."""
@@ -197,7 +201,9 @@ class Linear:
 
     def native(self, x: torch.Tensor) -> bool:
         """Whether the product of x goes through the native projection."""
-        return self._native is not None and x.dim() == 2 and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS
+        if self._native is None or x.dim() != 2:
+            return False
+        return x.shape[0] <= NATIVE_LINEAR_MAX_ROWS or self._native.any_rows
 
     def fetches(self, x: torch.Tensor) -> bool:
         """Whether the product of x takes a `fetch` (the native projection, where it fetches)."""

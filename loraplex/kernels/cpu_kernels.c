@@ -1397,7 +1397,8 @@ void argmax_rows_f32(const float *x, int64_t n, int64_t vocab, int64_t row_strid
  * broadcasts of x for 24 products of 32 pairs. oneDNN's kernels for these CPUs reach 440-740
  * GFLOP/s on a decode step's 32-row products of SmolLM2's shapes on a 2-core Zen 5; this one
  * 800-890, and it fetches each thread's next block of W while it works on one, so W streams from
- * memory at the pace of the arithmetic. */
+ * memory at the pace of the arithmetic. Built with -DLINEAR_BY_FMA (cpu_lora.py does, where the
+ * CPU runs vdpbf16ps at half its FMA rate), the same blocks go through float32 FMAs instead. */
 #if defined(HAVE_AMX)
 #define LINEAR_COLS 32
 #else
@@ -1456,6 +1457,7 @@ typedef struct {
  * 16-31. */
 
 int linear_native_bf16(void) { return amx_granted(); }
+int linear_any_rows_bf16(void) { return 0; }
 /* Whether linear_bf16 takes memory ranges to fetch: not with AMX, whose products are bound by
  * memory, as the LoRA call's rows are (fetching them during the products slows these by more
  * than it speeds the LoRA call: 11.5 ms against 4.9 ms a step of 32 all-module adapters). */
@@ -1559,6 +1561,13 @@ static int linear_threads(const LinearCall *call, int num_threads) {
 #else
 int linear_native_bf16(void) { return 1; }
 int linear_fetches_bf16(void) { return 1; }
+/* Whether the projection is the faster one for any number of rows, not for decode steps only:
+ * in the FMA build, where oneDNN's bfloat16 kernels take the slow vdpbf16ps (below). */
+#if defined(LINEAR_BY_FMA)
+int linear_any_rows_bf16(void) { return 1; }
+#else
+int linear_any_rows_bf16(void) { return 0; }
+#endif
 
 /* Memory ranges a thread brings into cache while it computes, `pace` lines a step of k: the
  * rows of the adapters the next LoRA call reads (see linear_bf16). */
@@ -1618,6 +1627,109 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
 }
 
+#if defined(LINEAR_BY_FMA)
+/* Where vdpbf16ps runs at half the rate of float32 FMAs (Intel's cores without AMX): W's
+ * bfloat16 widened to float32, FMA_CHUNK input pairs of a block at a time, into a buffer L1
+ * holds; then each tile of LINEAR_ROWS rows takes that chunk through FMAs, its 6 x 4 sums in
+ * registers over the chunk and in `sums` between chunks. The widening is paid once a chunk for
+ * up to FMA_GROUP rows, where a tile that widened its own W (the vdpbf16ps tile's shape) spent
+ * one instruction in five on it. On a 2-core Xeon (family 6, model 207), products of SmolLM2's
+ * shapes at 320-390 GFLOP/s (oneDNN's bfloat16 kernels 170-220, its float32 310-410). */
+#define FMA_CHUNK 32
+#define FMA_GROUP 64
+
+static inline __attribute__((always_inline)) void fma_tile(
+    const uint16_t *x, int64_t x_stride, const int R, int64_t pairs, const float *wf,
+    float *sums, int first, const char **fetch, const char *fetch_end, int64_t pace,
+    Ranges *extra) {
+    __m512 acc[LINEAR_ROWS][6];
+    float xf[LINEAR_ROWS][2 * FMA_CHUNK];
+    for (int i = 0; i < R; i++) {
+        for (int c = 0; c < 6; c++)
+            acc[i][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 96 + c * 16);
+        for (int64_t e = 0; e < 2 * pairs; e += 16) {
+            const __mmask16 m = tail_mask(2 * pairs - e);
+            _mm512_mask_storeu_ps(xf[i] + e, m, bf16x16(x + i * x_stride + e, m));
+        }
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        for (int64_t f = 0; f < pace && *fetch < fetch_end; f++, *fetch += 64)
+            __builtin_prefetch(*fetch, 0, 2);
+        fetch_ranges(extra);
+        for (int c = 0; c < 6; c++) {
+            const __m512 we = _mm512_load_ps(wf + (p * 12 + 2 * c) * 16);
+            const __m512 wo = _mm512_load_ps(wf + (p * 12 + 2 * c + 1) * 16);
+            for (int i = 0; i < R; i++) {
+                acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(xf[i][2 * p]), we, acc[i][c]);
+                acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(xf[i][2 * p + 1]), wo, acc[i][c]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < 6; c++) _mm512_storeu_ps(sums + i * 96 + c * 16, acc[i][c]);
+}
+
+/* Rows row .. row + rows (at most FMA_GROUP) of block b; the thread's next block brought into
+ * cache (*fetch .. fetch_end) `pace` lines a step of a tile meanwhile. */
+static void fma_group(const LinearCall *call, int64_t b, int64_t row, int64_t rows,
+                      const char **fetch, const char *fetch_end, int64_t pace, Ranges *extra) {
+    const int64_t k = call->k, pairs = k / 2, col = b * LINEAR_COLS;
+    const uint16_t *block = call->packed + b * LINEAR_COLS * k;
+    float wf[FMA_CHUNK * 12 * 16] __attribute__((aligned(64)));
+    float sums[FMA_GROUP * 96];
+    for (int64_t p0 = 0; p0 < pairs; p0 += FMA_CHUNK) {
+        const int64_t chunk = pairs - p0 < FMA_CHUNK ? pairs - p0 : FMA_CHUNK;
+        for (int64_t p = 0; p < chunk; p++)
+            for (int c = 0; c < 6; c++) {
+                const __m512i wv = _mm512_loadu_si512(block + (p0 + p) * LINEAR_COLS * 2 + c * 32);
+                _mm512_store_ps(wf + (p * 12 + 2 * c) * 16, bf16_even(wv));
+                _mm512_store_ps(wf + (p * 12 + 2 * c + 1) * 16, bf16_odd(wv));
+            }
+        for (int64_t i = 0; i < rows; i += LINEAR_ROWS) {
+            const uint16_t *xr = call->x + (row + i) * call->x_stride + 2 * p0;
+#define FMA_TILE_OF(R_)                                                                         \
+    fma_tile(xr, call->x_stride, R_, chunk, wf, sums + i * 96, p0 == 0, fetch, fetch_end, pace, \
+             extra)
+            switch (rows - i < LINEAR_ROWS ? rows - i : LINEAR_ROWS) {
+            case 4: FMA_TILE_OF(4); break;
+            case 3: FMA_TILE_OF(3); break;
+            case 2: FMA_TILE_OF(2); break;
+            default: FMA_TILE_OF(1);
+            }
+#undef FMA_TILE_OF
+        }
+    }
+    const int64_t cols = call->n - col < LINEAR_COLS ? call->n - col : LINEAR_COLS;
+    for (int c = 0; c < 6 && c * 16 < cols; c++) {
+        const __mmask16 m = tail_mask(cols - c * 16);
+        const __m512 bv =
+            call->bias != NULL ? bf16x16(call->bias + col + c * 16, m) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < rows; i++)
+            store_bf16x16(call->y + (row + i) * call->y_stride + col + c * 16, m,
+                          _mm512_add_ps(_mm512_loadu_ps(sums + i * 96 + c * 16), bv));
+    }
+}
+
+/* Thread t of nt's share of a projection: its run of the blocks, split evenly, every row of
+ * each; the fetches as in the vdpbf16ps build's (below). */
+static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
+    const int64_t k = call->k, m = call->m, blocks = (call->n + LINEAR_COLS - 1) / LINEAR_COLS;
+    const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS;
+    const int64_t block_numel = LINEAR_COLS * k, block_lines = block_numel * 2 / 64;
+    const int64_t steps = tiles * (k / 2), pace = (block_lines + steps - 1) / steps;
+    const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
+    Ranges extra = thread_ranges(call->fetch_at, call->fetch_bytes, call->fetches, t, nt,
+                                 (last - first) * steps);
+    for (int64_t b = first; b < last; b++) {
+        const char *next = (const char *)(call->packed + (b + 1) * block_numel);
+        const char *fetch = b + 1 < last ? next : NULL;
+        const char *fetch_end = b + 1 < last ? next + block_numel * 2 : NULL;
+        for (int64_t row = 0; row < m; row += FMA_GROUP)
+            fma_group(call, b, row, m - row < FMA_GROUP ? m - row : FMA_GROUP, &fetch, fetch_end,
+                      pace, &extra);
+    }
+}
+#else
 /* Thread th of nt's share of a projection. Work is (block, tile of rows) items in block order,
  * split evenly between the threads, so each thread reads its run of blocks once from memory (a
  * block stays in L2 across its row tiles).
@@ -1661,12 +1773,18 @@ static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
     }
 }
 
+#endif /* LINEAR_BY_FMA */
+
 static int linear_refuses(const LinearCall *call) { return call->k % 2 != 0; }
 
 /* no more threads than work items (a narrow product of a few rows on one) */
 static int linear_threads(const LinearCall *call, int num_threads) {
     const int64_t blocks = (call->n + LINEAR_COLS - 1) / LINEAR_COLS;
+#if defined(LINEAR_BY_FMA)
+    const int64_t items = blocks;
+#else
     const int64_t items = blocks * ((call->m + LINEAR_ROWS - 1) / LINEAR_ROWS);
+#endif
     return items < num_threads ? (int)items : num_threads;
 }
 #endif /* HAVE_AMX */
@@ -1718,6 +1836,7 @@ int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
 #else
 int linear_native_bf16(void) { return 0; }
 int linear_fetches_bf16(void) { return 0; }
+int linear_any_rows_bf16(void) { return 0; }
 
 int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                 const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,

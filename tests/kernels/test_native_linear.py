@@ -1,10 +1,14 @@
-"""The native bfloat16 projection (CPUs with AMX or AVX512-BF16; each of its two kernels runs
-where the CPU has it): the product rounded once, whatever the shape (with AMX, input widths that
-are not a multiple of 32 end in a vdpbf16ps tail); decode-sized batches take it and larger ones
-oneDNN, with the same results to a rounding step; and the adapter rows a fetching projection is
-asked to bring into cache are exactly those the LoRA call after it reads."""
+"""The native bfloat16 projection (CPUs with AMX or AVX512-BF16; each of its kernels runs where
+the CPU has it, and the vdpbf16ps and FMA builds both run on every CPU with AVX512-BF16): the
+product rounded once, whatever the shape (with AMX, input widths that are not a multiple of 32
+end in a vdpbf16ps tail); decode-sized batches take it and larger ones oneDNN (or it too, in the
+FMA build), with the same results to a rounding step; and the adapter rows a fetching projection
+is asked to bring into cache are exactly those the LoRA call after it reads."""
 
 from __future__ import annotations
+
+import ctypes
+import subprocess
 
 import pytest
 import torch
@@ -22,6 +26,31 @@ pytestmark = pytest.mark.skipif(
 )
 STEP = 2.0**-7  # a bfloat16 rounding step, relative
 
+FMA_BUILD = ("-DLINEAR_BY_FMA", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+
+
+@pytest.fixture(scope="module")
+def other_build(tmp_path_factory) -> cpu_lora.CpuLinearBf16:
+    """The projection's other build for this CPU: with vdpbf16ps where the machine's own is the
+    FMA build (cpu_lora.dpbf16_half_rate), else the FMA build (without AMX)."""
+    fma = "-DLINEAR_BY_FMA" in cpu_lora.build_flags()
+    flags = cpu_lora.FLAGS if fma else cpu_lora.FLAGS + FMA_BUILD
+    target = tmp_path_factory.mktemp("kernels") / "cpu_kernels_other.so"
+    subprocess.run([cpu_lora._compiler(), *flags, str(cpu_lora.SOURCE), "-o", str(target)], check=True)
+    kernel = cpu_lora.CpuLinearBf16(ctypes.CDLL(str(target)))
+    assert kernel.any_rows != fma and kernel.supports(torch.bfloat16)
+    return kernel
+
+
+@pytest.fixture(params=["machine's build", "other build"])
+def build(request, monkeypatch):
+    """Each test of a product twice: with the machine's build of the projection, and with the
+    other (Linear takes it)."""
+    if request.param == "other build":
+        kernel = request.getfixturevalue("other_build")
+        monkeypatch.setattr(device, "choose_linear_bf16", lambda weight: kernel)
+    return request.param
+
 
 def reference(x, weight, bias):
     """The float32 product (and bias), rounded once to bfloat16."""
@@ -38,7 +67,9 @@ def assert_within_a_rounding_step(got, want):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 31, 32])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 64), (17, 18), (97, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_native_projection_is_the_product_rounded_once(rows, out_features, in_features, with_bias):
+def test_native_projection_is_the_product_rounded_once(
+    build, rows, out_features, in_features, with_bias
+):
     torch.manual_seed(rows * 1000 + out_features)
     weight = (torch.randn(out_features, in_features) * 0.2).bfloat16()
     bias = torch.randn(out_features).bfloat16() if with_bias else None
@@ -48,14 +79,14 @@ def test_native_projection_is_the_product_rounded_once(rows, out_features, in_fe
     assert_within_a_rounding_step(linear(x), reference(x, weight, bias))
 
 
-def test_rows_a_stride_apart_and_larger_batches_agree():
+def test_rows_a_stride_apart_and_larger_batches_agree(build):
     torch.manual_seed(0)
     weight = (torch.randn(300, 128) * 0.2).bfloat16()
     linear = device.Linear(weight)
     wide = torch.randn(70, 256).bfloat16()
     x = wide[:, :128]  # rows 256 apart
     assert_within_a_rounding_step(linear(x[:32]), reference(x[:32], weight, None))
-    # past NATIVE_LINEAR_MAX_ROWS: oneDNN's kernels
+    # past NATIVE_LINEAR_MAX_ROWS: oneDNN's kernels, or the FMA build's own
     assert_within_a_rounding_step(linear(x), reference(x, weight, None))
 
 
@@ -100,11 +131,12 @@ def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adap
         assert got == want, layer
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32])
-def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(rows):
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70])
+def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(build, rows):
     """q, k and v's projection and LoRA call (tokens on three adapters in any order, runs of
     one) in one native call: the bits of the projection, then the call, apart; a product that
-    cannot take the call (past NATIVE_LINEAR_MAX_ROWS) is refused it."""
+    cannot take the call (past NATIVE_LINEAR_MAX_ROWS, but in the FMA build) is refused it."""
+    assert 70 > device.NATIVE_LINEAR_MAX_ROWS
     torch.manual_seed(rows)
     fin, widths, rank, adapters = 576, (576, 192, 192), 8, 3
     weight = (torch.randn(sum(widths), fin) * 0.05).bfloat16()
@@ -126,6 +158,10 @@ def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart
     x = torch.randn(rows, fin).bfloat16()
     apart = linear(x)
     call(x, apart)
+    if not linear.native(x):
+        with pytest.raises(ValueError, match="does not take"):
+            linear(x, lora=call)
+        return
     fused = linear(x, lora=call)
     assert torch.equal(fused, apart)
     assert not torch.equal(fused, linear(x))
@@ -135,5 +171,3 @@ def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart
         nbytes = [fin * size] * a_rows.numel() + [w * size for w in widths for _ in range(rows_of)]
         fetch = cpu_lora.Fetch(pool.data_ptr() + offsets * size, torch.tensor(nbytes))
         assert torch.equal(linear(x, fetch, lora=call), apart)
-    with pytest.raises(ValueError, match="does not take"):
-        linear(torch.randn(device.NATIVE_LINEAR_MAX_ROWS + 1, fin).bfloat16(), lora=call)
