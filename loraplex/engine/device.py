@@ -206,8 +206,9 @@ class Linear:
         return x.shape[0] <= NATIVE_LINEAR_MAX_ROWS or self._native.any_rows
 
     def fetches(self, x: torch.Tensor) -> bool:
-        """Whether the product of x takes a `fetch` (the native projection, where it fetches)."""
-        return self.native(x) and self._native.fetches
+        """Whether the product of x takes a `fetch` (the native projection, where it fetches,
+        of a decode step's rows: a prompt span reads its rows from cache after its first token)."""
+        return self.native(x) and self._native.fetches and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS
 
     def __call__(
         self,

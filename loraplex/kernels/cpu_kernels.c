@@ -244,7 +244,9 @@ static inline void axpy_bf16(float *acc, float v, const uint16_t *b, int64_t n) 
  * to float32 by one shift or mask (the high half of a float32 is a bfloat16): no conversion
  * instruction, and the output's even and odd sums are put back together only when stored.
  * Where the CPU has AVX512-BF16, the shrink multiplies bfloat16 pairs directly (vdpbf16ps:
- * exact products, float32 sums). The shrink takes four A rows at a time, sharing each load of x.
+ * exact products, float32 sums), but in the build for CPUs that run it at half their FMA rate
+ * (BF16_BY_FMA: prompt spans' LoRA calls 23.2 against 21.5 ms a step on a 2-core Xeon, decode
+ * level). The shrink takes four A rows at a time, sharing each load of x.
  * While a thread works on a token it prefetches, into L2 and at the same pace, the rows of the
  * token it takes next; without that every row of every token started with a wait on memory.
  * Measured on a 2-core Zen 4 (30 layers, 32 tokens on 32 all-module rank-16 adapters, 298 MiB
@@ -355,7 +357,10 @@ static inline __attribute__((always_inline)) void shrink4_bf16(
             if (ahead != NULL) __builtin_prefetch(ahead[j] + k, 0, 2);
             const __m512i a = _mm512_maskz_loadu_epi16(m, rows[j] + k);
             for (int i = 0; i < T; i++) {
-#if defined(__AVX512BF16__)
+#if defined(BF16_BY_FMA)
+                acc[i][j] = _mm512_fmadd_ps(bf16_even(xv[i]), bf16_even(a), acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(bf16_odd(xv[i]), bf16_odd(a), acc[i][j]);
+#elif defined(__AVX512BF16__)
                 acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv[i], (__m512bh)a);
 #else
                 acc[i][j] = _mm512_fmadd_ps(bf16_even(xv[i]), bf16_even(a), acc[i][j]);
@@ -1397,7 +1402,7 @@ void argmax_rows_f32(const float *x, int64_t n, int64_t vocab, int64_t row_strid
  * broadcasts of x for 24 products of 32 pairs. oneDNN's kernels for these CPUs reach 440-740
  * GFLOP/s on a decode step's 32-row products of SmolLM2's shapes on a 2-core Zen 5; this one
  * 800-890, and it fetches each thread's next block of W while it works on one, so W streams from
- * memory at the pace of the arithmetic. Built with -DLINEAR_BY_FMA (cpu_lora.py does, where the
+ * memory at the pace of the arithmetic. Built with -DBF16_BY_FMA (cpu_lora.py does, where the
  * CPU runs vdpbf16ps at half its FMA rate), the same blocks go through float32 FMAs instead. */
 #if defined(HAVE_AMX)
 #define LINEAR_COLS 32
@@ -1563,7 +1568,7 @@ int linear_native_bf16(void) { return 1; }
 int linear_fetches_bf16(void) { return 1; }
 /* Whether the projection is the faster one for any number of rows, not for decode steps only:
  * in the FMA build, where oneDNN's bfloat16 kernels take the slow vdpbf16ps (below). */
-#if defined(LINEAR_BY_FMA)
+#if defined(BF16_BY_FMA)
 int linear_any_rows_bf16(void) { return 1; }
 #else
 int linear_any_rows_bf16(void) { return 0; }
@@ -1627,7 +1632,7 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
 }
 
-#if defined(LINEAR_BY_FMA)
+#if defined(BF16_BY_FMA)
 /* Where vdpbf16ps runs at half the rate of float32 FMAs (Intel's cores without AMX): W's
  * bfloat16 widened to float32, FMA_CHUNK input pairs of a block at a time, into a buffer L1
  * holds; then each tile of LINEAR_ROWS rows takes that chunk through FMAs, its 6 x 4 sums in
@@ -1656,12 +1661,12 @@ static inline __attribute__((always_inline)) void fma_tile(
         for (int64_t f = 0; f < pace && *fetch < fetch_end; f++, *fetch += 64)
             __builtin_prefetch(*fetch, 0, 2);
         fetch_ranges(extra);
-        for (int c = 0; c < 6; c++) {
-            const __m512 we = _mm512_load_ps(wf + (p * 12 + 2 * c) * 16);
-            const __m512 wo = _mm512_load_ps(wf + (p * 12 + 2 * c + 1) * 16);
-            for (int i = 0; i < R; i++) {
-                acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(xf[i][2 * p]), we, acc[i][c]);
-                acc[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(xf[i][2 * p + 1]), wo, acc[i][c]);
+        for (int e = 0; e < 2; e++) { /* the pair's first inputs, then its second: 29 registers */
+            __m512 xv[LINEAR_ROWS];
+            for (int i = 0; i < R; i++) xv[i] = _mm512_set1_ps(xf[i][2 * p + e]);
+            for (int c = 0; c < 6; c++) {
+                const __m512 w = _mm512_load_ps(wf + (p * 12 + 2 * c + e) * 16);
+                for (int i = 0; i < R; i++) acc[i][c] = _mm512_fmadd_ps(xv[i], w, acc[i][c]);
             }
         }
     }
@@ -1773,14 +1778,14 @@ static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
     }
 }
 
-#endif /* LINEAR_BY_FMA */
+#endif /* BF16_BY_FMA */
 
 static int linear_refuses(const LinearCall *call) { return call->k % 2 != 0; }
 
 /* no more threads than work items (a narrow product of a few rows on one) */
 static int linear_threads(const LinearCall *call, int num_threads) {
     const int64_t blocks = (call->n + LINEAR_COLS - 1) / LINEAR_COLS;
-#if defined(LINEAR_BY_FMA)
+#if defined(BF16_BY_FMA)
     const int64_t items = blocks;
 #else
     const int64_t items = blocks * ((call->m + LINEAR_ROWS - 1) / LINEAR_ROWS);

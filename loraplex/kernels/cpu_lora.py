@@ -86,9 +86,10 @@ def dpbf16_half_rate() -> bool:
 
 
 def build_flags() -> tuple[str, ...]:
-    """The compiler's flags for this machine: where dpbf16_half_rate, the projection's FMA
-    build (-DLINEAR_BY_FMA, cpu_kernels.c)."""
-    return FLAGS + (("-DLINEAR_BY_FMA",) if dpbf16_half_rate() else ())
+    """The compiler's flags for this machine: where dpbf16_half_rate, the FMA build
+    (-DBF16_BY_FMA: the projection's and the LoRA shrink's bfloat16 products through float32
+    FMAs, cpu_kernels.c)."""
+    return FLAGS + (("-DBF16_BY_FMA",) if dpbf16_half_rate() else ())
 
 
 def _build_key(compiler: str) -> str:

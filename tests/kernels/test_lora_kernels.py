@@ -152,21 +152,40 @@ def native_kernel():
 
 # Builds of the kernels besides the machine's own (-march=native): on x86-64, AVX-512 without
 # AVX512-BF16 (x86-64-v4, where the CPU runs it) and AVX2 only (x86-64-v3): the paths other CPUs
-# take (cpu_kernels.c chooses by what the compiler targets).
-BUILDS = {"native": None, "AVX-512 without BF16": "x86-64-v4", "without AVX-512": "x86-64-v3"}
+# take (cpu_kernels.c chooses by what the compiler targets); and on a CPU with AVX512-BF16, its
+# other build (with or without BF16_BY_FMA: other_bf16_flags).
+BUILDS = {
+    "native": None,
+    "other AVX512-BF16 build": "native",
+    "AVX-512 without BF16": "x86-64-v4",
+    "without AVX-512": "x86-64-v3",
+}
+FMA_BUILD = ("-DBF16_BY_FMA", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+
+
+def other_bf16_flags() -> tuple[str, ...]:
+    """The compiler's flags for the build this machine does not take, of the two for CPUs with
+    AVX512-BF16: with vdpbf16ps where its own is the FMA build (cpu_lora.dpbf16_half_rate),
+    else the FMA build (without AMX)."""
+    if "-DBF16_BY_FMA" in cpu_lora.build_flags():
+        return cpu_lora.FLAGS
+    return cpu_lora.FLAGS + FMA_BUILD
 
 
 def build_for(build: str, tmp_path_factory) -> ctypes.CDLL | None:
     """The kernels' library built for `build` (skips where this CPU cannot run it); None for the
     machine's own build, which cpu_lora loads."""
     march = BUILDS[build]
-    if march is None:
+    if build == "native":
         return None
     if platform.machine() != "x86_64":
         pytest.skip("the other builds are x86-64 targets")
     if march == "x86-64-v4" and not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
         pytest.skip("this CPU has no AVX-512")
-    flags = [f if f != "-march=native" else f"-march={march}" for f in cpu_lora.FLAGS]
+    if march == "native" and "avx512_bf16" not in cpu_flags():
+        pytest.skip("this CPU has no AVX512-BF16")
+    flags = other_bf16_flags() if march == "native" else cpu_lora.FLAGS
+    flags = [f if f != "-march=native" else f"-march={march}" for f in flags]
     target = tmp_path_factory.mktemp("kernels") / f"cpu_kernels_{march}.so"
     subprocess.run(
         [cpu_lora._compiler(), *flags, str(cpu_lora.SOURCE), "-o", str(target)], check=True

@@ -19,6 +19,7 @@ from loraplex.engine.adapters.lora_batch import TorchLoRA
 from loraplex.engine.workspace import Workspace
 from loraplex.kernels import cpu_lora
 from tests.factories import make_llm
+from tests.kernels.test_lora_kernels import other_bf16_flags
 
 pytestmark = pytest.mark.skipif(
     device.choose_linear_bf16(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
@@ -26,17 +27,14 @@ pytestmark = pytest.mark.skipif(
 )
 STEP = 2.0**-7  # a bfloat16 rounding step, relative
 
-FMA_BUILD = ("-DLINEAR_BY_FMA", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
-
 
 @pytest.fixture(scope="module")
 def other_build(tmp_path_factory) -> cpu_lora.CpuLinearBf16:
-    """The projection's other build for this CPU: with vdpbf16ps where the machine's own is the
-    FMA build (cpu_lora.dpbf16_half_rate), else the FMA build (without AMX)."""
-    fma = "-DLINEAR_BY_FMA" in cpu_lora.build_flags()
-    flags = cpu_lora.FLAGS if fma else cpu_lora.FLAGS + FMA_BUILD
+    """The projection's other build for this CPU (other_bf16_flags)."""
+    fma = "-DBF16_BY_FMA" in cpu_lora.build_flags()
     target = tmp_path_factory.mktemp("kernels") / "cpu_kernels_other.so"
-    subprocess.run([cpu_lora._compiler(), *flags, str(cpu_lora.SOURCE), "-o", str(target)], check=True)
+    compiler, source = cpu_lora._compiler(), str(cpu_lora.SOURCE)
+    subprocess.run([compiler, *other_bf16_flags(), source, "-o", str(target)], check=True)
     kernel = cpu_lora.CpuLinearBf16(ctypes.CDLL(str(target)))
     assert kernel.any_rows != fma and kernel.supports(torch.bfloat16)
     return kernel
