@@ -13,7 +13,7 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
   as a multiple of that floor (target <= 1.25x for all-module) and the q,v batch's
   throughput against base (target >= 0.95x);
 * the same batches with each CPU LoRA strategy forced: *native* (the C kernel in
-  kernels/cpu_kernels.c, reading every decode token's rows in place; the default where it
+  kernels/cpu/lora.c, reading every decode token's rows in place; the default where it
   builds), and the torch path's two, *gathered* (every decode token's adapter rows copied into
   one buffer, applied with one batched matmul) and *grouped* (each adapter applied in place
   with plain matmuls, once for all its tokens), on 32 adapters x 1 token and 8 adapters x 4

@@ -12,9 +12,9 @@ a layer. Timed three ways, alternated, best of 20 passes over the 30 layers:
 * cold: a fresh 1.9 MB a layer from a 300 MB buffer, as in a real step.
 
 Prints each time a projection and hot / none, cold / none. With `--against`, the same for another
-build of kernels/cpu_kernels.c (`gcc -O3 -march=native -fopenmp -shared -fPIC -std=c11 -lm`, say
-of an earlier commit), side by side in the same run. Needs a CPU with AVX512-BF16 and no AMX
-(with AMX the projection takes no fetch: see linear_fetches_bf16 in cpu_kernels.c).
+build of the kernels (`gcc -O3 -march=native -fopenmp -shared -fPIC -std=c11 kernels/cpu/*.c
+-lm`, say of an earlier commit), side by side in the same run. Needs a CPU with AVX512-BF16 and
+no AMX (with AMX the projection takes no fetch: see linear_fetches_bf16 in cpu/linear.c).
 """
 
 from __future__ import annotations

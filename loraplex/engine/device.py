@@ -1,6 +1,6 @@
 """Every device-specific choice of the engine, made here and nowhere else.
 
-Batched LoRA: the Triton kernels on CUDA; on CPU the native kernel (kernels/cpu_kernels.c, built
+Batched LoRA: the Triton kernels on CUDA; on CPU the native kernel (kernels/cpu/lora.c, built
 with the machine's C compiler) for decode tokens, or, where it cannot be built, the torch path that
 stacks decode tokens' adapters into batched matmuls (the Triton interpreter is for testing, far
 too slow to serve).

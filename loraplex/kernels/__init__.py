@@ -1,2 +1,2 @@
 """Batched-LoRA kernels: Triton for CUDA and a torch reference with the same contract (lora.py);
-for CPU decode, a C kernel built on the machine (cpu_kernels.c, loaded by cpu_lora.py)."""
+for CPU decode, C kernels built on the machine (cpu/*.c, loaded by cpu_lora.py)."""

@@ -1,10 +1,11 @@
-"""The CPU kernels (cpu_kernels.c): built once per machine with its own C compiler, loaded with
-ctypes. The LoRA kernel is called once per (layer, projection input, group of runs): q, k and v
-in one call, gate and up in one; the attention kernel (`CpuAttentionKernel`: decode tokens, and
-in bfloat16 prompt tokens too) once per layer, as are a bfloat16 model's norms and rotary
-embedding (`CpuBf16Ops`); greedy sampling's argmax (`CpuArgmax`) once per step; on CPUs with
-AVX512-BF16, a bfloat16 decode step's dense projections (`CpuLinearBf16`), each bringing the
-adapter rows of the LoRA call after it into cache while it computes (`Fetch`).
+"""The CPU kernels (the C files of kernels/cpu/): built once per machine with its own C compiler
+into one library, loaded with ctypes. The LoRA kernel is called once per (layer, projection
+input, group of runs): q, k and v in one call, gate and up in one; the attention kernel
+(`CpuAttentionKernel`: decode tokens, and in bfloat16 prompt tokens too) once per layer, as are
+a bfloat16 model's norms and rotary embedding (`CpuBf16Ops`); greedy sampling's argmax
+(`CpuArgmax`) once per step; on CPUs with AVX512-BF16, a bfloat16 decode step's dense
+projections (`CpuLinearBf16`), each bringing the adapter rows of the LoRA call after it into
+cache while it computes (`Fetch`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -32,11 +33,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+KERNELS = Path(__file__).with_name("cpu")  # the C sources, each .c file into one library
+SOURCES = tuple(sorted(KERNELS.glob("*.c")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
-MAX_RANK = 1024  # as in cpu_kernels.c; a larger rank takes the torch path
+MAX_RANK = 1024  # as in cpu/common.h; a larger rank takes the torch path
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-MAX_MODULES = 8  # outputs a call (cpu_kernels.c)
+MAX_MODULES = 8  # outputs a call (cpu/common.h)
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 _ARGTYPES += [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
 _ARGTYPES += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -88,12 +90,14 @@ def dpbf16_half_rate() -> bool:
 def build_flags() -> tuple[str, ...]:
     """The compiler's flags for this machine: where dpbf16_half_rate, the FMA build
     (-DBF16_BY_FMA: the projection's and the LoRA shrink's bfloat16 products through float32
-    FMAs, cpu_kernels.c)."""
+    FMAs, cpu/linear.c and cpu/lora.c)."""
     return FLAGS + (("-DBF16_BY_FMA",) if dpbf16_half_rate() else ())
 
 
 def _build_key(compiler: str) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in sorted(KERNELS.glob("*.[ch]")):
+        digest.update(source.name.encode() + source.read_bytes())
     digest.update(" ".join(build_flags()).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
     digest.update(version.stdout.encode())
@@ -108,7 +112,10 @@ def _build(compiler: str, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *build_flags(), str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True
+            [compiler, *build_flags(), *map(str, SOURCES), "-o", tmp],
+            check=True,
+            capture_output=True,
+            text=True,
         )
         os.replace(tmp, target)
     finally:
@@ -261,7 +268,7 @@ _ATTENTION_ARGTYPES += [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
 
 class CpuAttentionKernel(_PerDtype):
     """Attention of one query row per token (decode tokens; prompt tokens too where the engine
-    asks), reading keys and values in place from their pages (cpu_kernels.c)."""
+    asks), reading keys and values in place from their pages (cpu/attention.c)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._functions = _bind(lib, "attend_decode", _ATTENTION_ARGTYPES, ctypes.c_int)
@@ -294,7 +301,7 @@ class CpuAttentionKernel(_PerDtype):
 
 class CpuBf16Ops:
     """Small per-layer ops of a bfloat16 model, each one native call instead of several torch
-    ops, the bits of the torch ops (cpu_kernels.c): RMSNorm (12 against 32 us for 32 rows of
+    ops, the bits of the torch ops (cpu/ops.c): RMSNorm (12 against 32 us for 32 rows of
     576; it sums a row in its own order, which moves an element by one rounding step now and
     then: 3 of 172,800 in one test), alone or after the residual add; SwiGLU's product; and the
     rotary embedding with the KV write (1.1 against 2.0 ms a decode step of 32 sequences)."""
@@ -385,7 +392,7 @@ class CpuBf16Ops:
 
 
 class CpuArgmax:
-    """Greedy sampling's pick over float32 logits (cpu_kernels.c): the indices torch.max(dim=-1)
+    """Greedy sampling's pick over float32 logits (cpu/ops.c): the indices torch.max(dim=-1)
     gives (the first of equal values, a row's first NaN), 0.04 against 0.4 ms for 32 rows of a
     49,152-token vocabulary."""
 
@@ -419,7 +426,7 @@ class Fetch:
 
 
 class CpuLinearBf16(_PerDtype):
-    """bfloat16 dense projections on CPUs with AMX or AVX512-BF16 (cpu_kernels.c): y = x W^T
+    """bfloat16 dense projections on CPUs with AMX or AVX512-BF16 (cpu/linear.c): y = x W^T
     (+ b) with W packed once. It supports bfloat16 only where the library was compiled for
     either (and, with AMX, Linux grants the tiles), and nothing elsewhere. `fetches`: whether
     it takes memory ranges to bring into cache meanwhile (not with AMX, where the products are

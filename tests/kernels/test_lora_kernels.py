@@ -140,7 +140,7 @@ def test_expand_into_a_column_slice_of_a_wider_output():
     assert torch.equal(fused[:, :30], ref[:, :30]) and torch.equal(fused[:, 70:], ref[:, 70:])
 
 
-# -- the CPU kernel (cpu_kernels.c) ------------------------------------------------------------
+# -- the CPU kernel (cpu/lora.c) ---------------------------------------------------------------
 
 
 def native_kernel():
@@ -152,7 +152,7 @@ def native_kernel():
 
 # Builds of the kernels besides the machine's own (-march=native): on x86-64, AVX-512 without
 # AVX512-BF16 (x86-64-v4, where the CPU runs it) and AVX2 only (x86-64-v3): the paths other CPUs
-# take (cpu_kernels.c chooses by what the compiler targets); and on a CPU with AVX512-BF16, its
+# take (the kernels choose by what the compiler targets); and on a CPU with AVX512-BF16, its
 # other build (with or without BF16_BY_FMA: other_bf16_flags).
 BUILDS = {
     "native": None,
@@ -188,7 +188,7 @@ def build_for(build: str, tmp_path_factory) -> ctypes.CDLL | None:
     flags = [f if f != "-march=native" else f"-march={march}" for f in flags]
     target = tmp_path_factory.mktemp("kernels") / f"cpu_kernels_{march}.so"
     subprocess.run(
-        [cpu_lora._compiler(), *flags, str(cpu_lora.SOURCE), "-o", str(target)], check=True
+        [cpu_lora._compiler(), *flags, *map(str, cpu_lora.SOURCES), "-o", str(target)], check=True
     )
     return ctypes.CDLL(str(target))
 
@@ -406,7 +406,7 @@ def test_without_a_working_compiler_the_cpu_falls_back_to_the_torch_path(
     assert choose_attention_kernel("cpu", torch.bfloat16) is not None
 
 
-# -- decode attention in place (cpu_kernels.c) -------------------------------------------------
+# -- decode attention in place (cpu/attention.c) ----------------------------------------------
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -557,7 +557,7 @@ def test_native_rope_and_kv_write_are_bit_identical_to_torch_in_bfloat16(heads, 
         )  # fmt: skip
 
 
-# -- greedy argmax (cpu_kernels.c) -------------------------------------------------------------
+# -- greedy argmax (cpu/ops.c) ----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))

@@ -33,8 +33,10 @@ def other_build(tmp_path_factory) -> cpu_lora.CpuLinearBf16:
     """The projection's other build for this CPU (other_bf16_flags)."""
     fma = "-DBF16_BY_FMA" in cpu_lora.build_flags()
     target = tmp_path_factory.mktemp("kernels") / "cpu_kernels_other.so"
-    compiler, source = cpu_lora._compiler(), str(cpu_lora.SOURCE)
-    subprocess.run([compiler, *other_bf16_flags(), source, "-o", str(target)], check=True)
+    sources = [str(source) for source in cpu_lora.SOURCES]
+    subprocess.run(
+        [cpu_lora._compiler(), *other_bf16_flags(), *sources, "-o", str(target)], check=True
+    )
     kernel = cpu_lora.CpuLinearBf16(ctypes.CDLL(str(target)))
     assert kernel.any_rows != fma and kernel.supports(torch.bfloat16)
     return kernel
@@ -129,12 +131,11 @@ def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adap
         assert got == want, layer
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70])  # 70: past NATIVE_LINEAR_MAX_ROWS
 def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(build, rows):
     """q, k and v's projection and LoRA call (tokens on three adapters in any order, runs of
     one) in one native call: the bits of the projection, then the call, apart; a product that
     cannot take the call (past NATIVE_LINEAR_MAX_ROWS, but in the FMA build) is refused it."""
-    assert 70 > device.NATIVE_LINEAR_MAX_ROWS
     torch.manual_seed(rows)
     fin, widths, rank, adapters = 576, (576, 192, 192), 8, 3
     weight = (torch.randn(sum(widths), fin) * 0.05).bfloat16()

@@ -8,7 +8,7 @@ decodes by adapter; a prefill span is one sequence, hence one adapter):
 
 Two ways to apply them, with the same result:
 
-* `TorchLoRA` (CPU): the native kernel (kernels/cpu_kernels.c) reads every decode token's and every
+* `TorchLoRA` (CPU): the native kernel (kernels/cpu/lora.c) reads every decode token's and every
   short prefill span's rows in place; without it, decode tokens whose adapters share rank and
   modules gather all their rows from the pool in one index_select and apply them with two
   batched matmuls. Long prefill spans use plain matmuls on views of the adapter's pool pages.

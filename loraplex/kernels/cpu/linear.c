@@ -1,0 +1,466 @@
+#include "lora.h"
+
+/* bfloat16 dense projections for decode steps: y = x W^T (+ bias), W packed once at load.
+ *
+ * Packed: W [n, k] (k even) as blocks of LINEAR_COLS output columns, each [k / 2][LINEAR_COLS][2]:
+ * the two weights of each column for inputs 2p and 2p + 1 side by side, which is the operand
+ * vdpbf16ps takes and, sixteen pairs by sixteen columns at a time, an AMX tile of W; columns past
+ * n are zeros. Sums are float32 (exact products of bfloat16), each output rounded once to
+ * bfloat16 with the bias added in float32 first.
+ *
+ * With AMX (Intel since Sapphire Rapids): blocks of 32 columns, below. Without it, with
+ * AVX512-BF16 (AMD Zen 4 and 5): blocks of 96 columns, a tile of LINEAR_ROWS rows by one block
+ * keeping its 24 float32 sums in registers over all of k: per input pair, 6 loads of W and 4
+ * broadcasts of x for 24 products of 32 pairs. oneDNN's kernels for these CPUs reach 440-740
+ * GFLOP/s on a decode step's 32-row products of SmolLM2's shapes on a 2-core Zen 5; this one
+ * 800-890, and it fetches each thread's next block of W while it works on one, so W streams from
+ * memory at the pace of the arithmetic. Built with -DBF16_BY_FMA (cpu_lora.py does, where the
+ * CPU runs vdpbf16ps at half its FMA rate), the same blocks go through float32 FMAs instead. */
+#if defined(HAVE_AMX)
+#define LINEAR_COLS 32
+#else
+#define LINEAR_COLS 96
+#endif
+#define LINEAR_ROWS 4
+
+int64_t linear_packed_numel_bf16(int64_t n, int64_t k) {
+    return (n + LINEAR_COLS - 1) / LINEAR_COLS * LINEAR_COLS * k;
+}
+
+/* w [n, k] contiguous -> packed (linear_packed_numel_bf16 elements); 1 if k is odd */
+int linear_pack_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    if (k % 2 != 0) return 1;
+    for (int64_t first = 0; first < n; first += LINEAR_COLS) {
+        uint16_t *block = packed + first * k;
+        for (int64_t p = 0; p < k / 2; p++)
+            for (int64_t c = 0; c < LINEAR_COLS; c++)
+                for (int64_t e = 0; e < 2; e++)
+                    block[(p * LINEAR_COLS + c) * 2 + e] =
+                        first + c < n ? w[(first + c) * k + 2 * p + e] : 0;
+    }
+    return 0;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* A projection's arguments: x [m, k] (rows x_stride apart) -> y [m, n] (rows y_stride apart);
+ * bias [n] or NULL; fetch_at, fetch_bytes [fetches]: memory ranges to bring into cache meanwhile
+ * (only where linear_fetches_bf16). */
+typedef struct {
+    const uint16_t *x;
+    int64_t x_stride, m, k;
+    const uint16_t *packed;
+    int64_t n;
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t y_stride;
+    const int64_t *fetch_at, *fetch_bytes;
+    int64_t fetches;
+} LinearCall;
+
+#if defined(HAVE_AMX)
+/* AMX: tiles of up to 16 rows of 64 bytes; tdpbf16ps adds A [16 rows, 32 bfloat16] times B [16
+ * input pairs, 16 columns of pairs] into C [16 rows, 16 float32].
+ *
+ * A block of 32 columns for up to 32 rows keeps its sums in four C tiles (rows 0-15 and 16-31
+ * by columns 0-15 and 16-31) over all of k; per 32 inputs, two tiles of x (from cache) and two
+ * of W, 2 KiB that stream from memory: W's next 2 KiB is prefetched into L1 a step ahead and the
+ * 2 KiB eight steps ahead into L2 (without, each tile load waits on memory; the tile registers
+ * are not renamed, so nothing else overlaps the wait). The last k % 32 inputs go through
+ * vdpbf16ps on the stored sums. Measured on a 2-core Xeon with AMX (SmolLM2's four projections
+ * of 30 layers, 32 rows): 10.3-10.9 ms against oneDNN's 13.7-15.0 (its AMX kernels), within
+ * 10% of the rate at which the cores' prefetches alone bring W in. */
+/* The tiles, by number (the intrinsics take literal numbers): 0, 1 x's rows 0-15 and 16-31; 2, 3
+ * W's columns 0-15 and 16-31; 4, 5 the sums of rows 0-15 (columns 0-15, 16-31); 6, 7 of rows
+ * 16-31. */
+
+int linear_native_bf16(void) { return amx_granted(); }
+int linear_any_rows_bf16(void) { return 0; }
+/* Whether linear_bf16 takes memory ranges to fetch: not with AMX, whose products are bound by
+ * memory, as the LoRA call's rows are (fetching them during the products slows these by more
+ * than it speeds the LoRA call: 11.5 ms against 4.9 ms a step of 32 all-module adapters). */
+int linear_fetches_bf16(void) { return 0; }
+
+/* Sums [rows][32] of one block (row stride 32) += the last `pairs` input pairs from `first` on
+ * (w: the block), through vdpbf16ps. */
+static void tail_pairs(float *sums, int64_t rows, const uint16_t *x, int64_t x_stride,
+                       const uint16_t *w, int64_t first, int64_t pairs) {
+    for (int64_t i = 0; i < rows; i++) {
+        __m512 left = _mm512_loadu_ps(sums + i * 32), right = _mm512_loadu_ps(sums + i * 32 + 16);
+        for (int64_t p = first; p < first + pairs; p++) {
+            int32_t pair;
+            memcpy(&pair, x + i * x_stride + 2 * p, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            left = _mm512_dpbf16_ps(left, xv, (__m512bh)_mm512_loadu_si512(w + p * 64));
+            right = _mm512_dpbf16_ps(right, xv, (__m512bh)_mm512_loadu_si512(w + p * 64 + 32));
+        }
+        _mm512_storeu_ps(sums + i * 32, left);
+        _mm512_storeu_ps(sums + i * 32 + 16, right);
+    }
+}
+
+/* Thread th of nt's share of a projection: its run of the blocks, split evenly. */
+static void linear_thread_amx(const LinearCall *call, int64_t th, int64_t nt) {
+    const uint16_t *x = call->x;
+    const int64_t x_stride = call->x_stride, m = call->m, k = call->k, n = call->n;
+    const int64_t blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS, steps = k / 32;
+    const int64_t first = blocks * th / nt, last = blocks * (th + 1) / nt;
+    if (first == last) return;
+    const int low = m < 16 ? (int)m : 16, high = (int)m - low;
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    set_tile(&config, 0, low, 64), set_tile(&config, 1, high, 64);
+    set_tile(&config, 2, 16, 64), set_tile(&config, 3, 16, 64);
+    set_tile(&config, 4, low, 64), set_tile(&config, 5, low, 64);
+    set_tile(&config, 6, high, 64), set_tile(&config, 7, high, 64);
+    const int64_t x_bytes = x_stride * 2, step_bytes = 16 * LINEAR_COLS * 2 * 2;
+    float sums[32 * 32];
+    _tile_loadconfig(&config);
+    for (int64_t b = first; b < last; b++) {
+        const uint16_t *w = call->packed + b * LINEAR_COLS * k;
+        _tile_zero(4);
+        _tile_zero(5);
+        if (high > 0) {
+            _tile_zero(6);
+            _tile_zero(7);
+        }
+        for (int64_t s = 0; s < steps; s++) {
+            const uint16_t *ws = w + s * 16 * LINEAR_COLS * 2;
+            const char *ahead = (const char *)ws + step_bytes; /* past the block: the next */
+            for (int64_t at = 0; at < step_bytes; at += 64) {
+                __builtin_prefetch(ahead + at, 0, 3);
+                __builtin_prefetch(ahead + 7 * step_bytes + at, 0, 2);
+            }
+            _tile_loadd(2, ws, LINEAR_COLS * 4);
+            _tile_loadd(3, ws + 32, LINEAR_COLS * 4);
+            _tile_loadd(0, x + s * 32, x_bytes);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            if (high > 0) {
+                _tile_loadd(1, x + 16 * x_stride + s * 32, x_bytes);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+        }
+        _tile_stored(4, sums, 128);
+        _tile_stored(5, sums + 16, 128);
+        if (high > 0) {
+            _tile_stored(6, sums + 16 * 32, 128);
+            _tile_stored(7, sums + 16 * 32 + 16, 128);
+        }
+        if (k % 32) tail_pairs(sums, m, x, x_stride, w, steps * 16, k % 32 / 2);
+        const int64_t col = b * LINEAR_COLS;
+        for (int c = 0; c < 2 && col + c * 16 < n; c++) {
+            const __mmask16 mask = tail_mask(n - col - c * 16);
+            const __m512 bv =
+                call->bias != NULL ? bf16x16(call->bias + col + c * 16, mask) : _mm512_setzero_ps();
+            for (int64_t i = 0; i < m; i++)
+                store_bf16x16(call->y + i * call->y_stride + col + c * 16, mask,
+                              _mm512_add_ps(_mm512_loadu_ps(sums + i * 32 + c * 16), bv));
+        }
+    }
+    _tile_release();
+}
+
+/* 1 if the call does not fit (k odd, more than 32 rows, or fetches: linear_fetches_bf16), 2
+ * without the tiles, else 0. */
+static int linear_refuses(const LinearCall *call) {
+    if (call->k % 2 != 0 || call->m > 32 || call->fetches > 0) return 1;
+    return amx_granted() ? 0 : 2;
+}
+
+static int linear_threads(const LinearCall *call, int num_threads) {
+    (void)call;
+    return num_threads;
+}
+
+#define linear_thread linear_thread_amx
+#else
+int linear_native_bf16(void) { return 1; }
+int linear_fetches_bf16(void) { return 1; }
+/* Whether the projection is the faster one for any number of rows, not for decode steps only:
+ * in the FMA build, where oneDNN's bfloat16 kernels take the slow vdpbf16ps (below). */
+#if defined(BF16_BY_FMA)
+int linear_any_rows_bf16(void) { return 1; }
+#else
+int linear_any_rows_bf16(void) { return 0; }
+#endif
+
+/* Memory ranges a thread brings into cache while it computes, `pace` lines a step of k: the
+ * rows of the adapters the next LoRA call reads (see linear_bf16). */
+typedef struct {
+    const int64_t *at, *bytes; /* each range's address and length */
+    int64_t next, end;         /* the thread's ranges left: next .. end */
+    int64_t offset, pace;      /* within range `next`; lines a step */
+} Ranges;
+
+static inline void fetch_ranges(Ranges *r) {
+    for (int64_t f = 0; f < r->pace && r->next < r->end; f++) {
+        __builtin_prefetch((const char *)r->at[r->next] + r->offset, 0, 2);
+        r->offset += 64;
+        if (r->offset >= r->bytes[r->next]) r->offset = 0, r->next++;
+    }
+}
+
+/* The thread's share of `fetches` ranges (split in order, as evenly as their count), spread
+ * over `steps` steps of its work. */
+static Ranges thread_ranges(const int64_t *at, const int64_t *bytes, int64_t fetches, int64_t t,
+                            int64_t nt, int64_t steps) {
+    Ranges r = {at, bytes, fetches * t / nt, fetches * (t + 1) / nt, 0, 0};
+    int64_t lines = 0;
+    for (int64_t i = r.next; i < r.end; i++) lines += (bytes[i] + 63) / 64;
+    r.pace = steps > 0 ? (lines + steps - 1) / steps : 0;
+    return r;
+}
+
+/* Rows x[0 .. rows) of one block: y[i][0 .. cols) = x[i] . W's columns. `fetch` is the thread's
+ * next block, brought into cache `pace` lines a step of k. */
+static inline __attribute__((always_inline)) void linear_tile(
+    const uint16_t *x, int64_t x_stride, const int rows, int64_t k, const uint16_t *block,
+    const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t cols, const char *fetch,
+    const char *fetch_end, int64_t pace, Ranges *extra) {
+    __m512 acc[LINEAR_ROWS][6];
+    for (int i = 0; i < LINEAR_ROWS; i++)
+        for (int c = 0; c < 6; c++) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < k / 2; p++) {
+        const uint16_t *w = block + p * LINEAR_COLS * 2;
+        __m512bh wv[6];
+        for (int c = 0; c < 6; c++) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * 32);
+        for (int64_t f = 0; f < pace && fetch < fetch_end; f++, fetch += 64)
+            __builtin_prefetch(fetch, 0, 2);
+        fetch_ranges(extra);
+        for (int i = 0; i < rows; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * x_stride + 2 * p, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int c = 0; c < 6; c++) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], xv, wv[c]);
+        }
+    }
+    for (int c = 0; c < 6 && c * 16 < cols; c++) {
+        const __mmask16 m = tail_mask(cols - c * 16);
+        const __m512 b = bias != NULL ? bf16x16(bias + c * 16, m) : _mm512_setzero_ps();
+        for (int i = 0; i < rows; i++)
+            store_bf16x16(y + i * y_stride + c * 16, m, _mm512_add_ps(acc[i][c], b));
+    }
+}
+
+#if defined(BF16_BY_FMA)
+/* Where vdpbf16ps runs at half the rate of float32 FMAs (Intel's cores without AMX): W's
+ * bfloat16 widened to float32, FMA_CHUNK input pairs of a block at a time, into a buffer L1
+ * holds; then each tile of LINEAR_ROWS rows takes that chunk through FMAs, its 6 x 4 sums in
+ * registers over the chunk and in `sums` between chunks. The widening is paid once a chunk for
+ * up to FMA_GROUP rows, where a tile that widened its own W (the vdpbf16ps tile's shape) spent
+ * one instruction in five on it. On a 2-core Xeon (family 6, model 207), products of SmolLM2's
+ * shapes at 320-390 GFLOP/s (oneDNN's bfloat16 kernels 170-220, its float32 310-410). */
+#define FMA_CHUNK 32
+#define FMA_GROUP 64
+
+static inline __attribute__((always_inline)) void fma_tile(
+    const uint16_t *x, int64_t x_stride, const int R, int64_t pairs, const float *wf,
+    float *sums, int first, const char **fetch, const char *fetch_end, int64_t pace,
+    Ranges *extra) {
+    __m512 acc[LINEAR_ROWS][6];
+    float xf[LINEAR_ROWS][2 * FMA_CHUNK];
+    for (int i = 0; i < R; i++) {
+        for (int c = 0; c < 6; c++)
+            acc[i][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 96 + c * 16);
+        for (int64_t e = 0; e < 2 * pairs; e += 16) {
+            const __mmask16 m = tail_mask(2 * pairs - e);
+            _mm512_mask_storeu_ps(xf[i] + e, m, bf16x16(x + i * x_stride + e, m));
+        }
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        for (int64_t f = 0; f < pace && *fetch < fetch_end; f++, *fetch += 64)
+            __builtin_prefetch(*fetch, 0, 2);
+        fetch_ranges(extra);
+        for (int e = 0; e < 2; e++) { /* the pair's first inputs, then its second: 29 registers */
+            __m512 xv[LINEAR_ROWS];
+            for (int i = 0; i < R; i++) xv[i] = _mm512_set1_ps(xf[i][2 * p + e]);
+            for (int c = 0; c < 6; c++) {
+                const __m512 w = _mm512_load_ps(wf + (p * 12 + 2 * c + e) * 16);
+                for (int i = 0; i < R; i++) acc[i][c] = _mm512_fmadd_ps(xv[i], w, acc[i][c]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < 6; c++) _mm512_storeu_ps(sums + i * 96 + c * 16, acc[i][c]);
+}
+
+/* Rows row .. row + rows (at most FMA_GROUP) of block b; the thread's next block brought into
+ * cache (*fetch .. fetch_end) `pace` lines a step of a tile meanwhile. */
+static void fma_group(const LinearCall *call, int64_t b, int64_t row, int64_t rows,
+                      const char **fetch, const char *fetch_end, int64_t pace, Ranges *extra) {
+    const int64_t k = call->k, pairs = k / 2, col = b * LINEAR_COLS;
+    const uint16_t *block = call->packed + b * LINEAR_COLS * k;
+    float wf[FMA_CHUNK * 12 * 16] __attribute__((aligned(64)));
+    float sums[FMA_GROUP * 96];
+    for (int64_t p0 = 0; p0 < pairs; p0 += FMA_CHUNK) {
+        const int64_t chunk = pairs - p0 < FMA_CHUNK ? pairs - p0 : FMA_CHUNK;
+        for (int64_t p = 0; p < chunk; p++)
+            for (int c = 0; c < 6; c++) {
+                const __m512i wv = _mm512_loadu_si512(block + (p0 + p) * LINEAR_COLS * 2 + c * 32);
+                _mm512_store_ps(wf + (p * 12 + 2 * c) * 16, bf16_even(wv));
+                _mm512_store_ps(wf + (p * 12 + 2 * c + 1) * 16, bf16_odd(wv));
+            }
+        for (int64_t i = 0; i < rows; i += LINEAR_ROWS) {
+            const uint16_t *xr = call->x + (row + i) * call->x_stride + 2 * p0;
+#define FMA_TILE_OF(R_)                                                                         \
+    fma_tile(xr, call->x_stride, R_, chunk, wf, sums + i * 96, p0 == 0, fetch, fetch_end, pace, \
+             extra)
+            switch (rows - i < LINEAR_ROWS ? rows - i : LINEAR_ROWS) {
+            case 4: FMA_TILE_OF(4); break;
+            case 3: FMA_TILE_OF(3); break;
+            case 2: FMA_TILE_OF(2); break;
+            default: FMA_TILE_OF(1);
+            }
+#undef FMA_TILE_OF
+        }
+    }
+    const int64_t cols = call->n - col < LINEAR_COLS ? call->n - col : LINEAR_COLS;
+    for (int c = 0; c < 6 && c * 16 < cols; c++) {
+        const __mmask16 m = tail_mask(cols - c * 16);
+        const __m512 bv =
+            call->bias != NULL ? bf16x16(call->bias + col + c * 16, m) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < rows; i++)
+            store_bf16x16(call->y + (row + i) * call->y_stride + col + c * 16, m,
+                          _mm512_add_ps(_mm512_loadu_ps(sums + i * 96 + c * 16), bv));
+    }
+}
+
+/* Thread t of nt's share of a projection: its run of the blocks, split evenly, every row of
+ * each; the fetches as in the vdpbf16ps build's (below). */
+static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
+    const int64_t k = call->k, m = call->m, blocks = (call->n + LINEAR_COLS - 1) / LINEAR_COLS;
+    const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS;
+    const int64_t block_numel = LINEAR_COLS * k, block_lines = block_numel * 2 / 64;
+    const int64_t steps = tiles * (k / 2), pace = (block_lines + steps - 1) / steps;
+    const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
+    Ranges extra = thread_ranges(call->fetch_at, call->fetch_bytes, call->fetches, t, nt,
+                                 (last - first) * steps);
+    for (int64_t b = first; b < last; b++) {
+        const char *next = (const char *)(call->packed + (b + 1) * block_numel);
+        const char *fetch = b + 1 < last ? next : NULL;
+        const char *fetch_end = b + 1 < last ? next + block_numel * 2 : NULL;
+        for (int64_t row = 0; row < m; row += FMA_GROUP)
+            fma_group(call, b, row, m - row < FMA_GROUP ? m - row : FMA_GROUP, &fetch, fetch_end,
+                      pace, &extra);
+    }
+}
+#else
+/* Thread th of nt's share of a projection. Work is (block, tile of rows) items in block order,
+ * split evenly between the threads, so each thread reads its run of blocks once from memory (a
+ * block stays in L2 across its row tiles).
+ *
+ * The call's fetch ranges are split between the threads in order as evenly as their count, and
+ * spread over each thread's work. The engine passes the adapter rows of the LoRA call that
+ * follows, in the order of its tokens: a decode step's dense products are bound by arithmetic
+ * and leave most of the memory bandwidth unused, and the LoRA kernel, which is bound by memory,
+ * then finds its rows in cache (each thread the rows of the tokens it takes, the kernel
+ * splitting tokens in halves as this splits ranges). */
+static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
+    const uint16_t *x = call->x, *packed = call->packed, *bias = call->bias;
+    const int64_t x_stride = call->x_stride, m = call->m, k = call->k, n = call->n;
+    const int64_t blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
+    const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS, items = blocks * tiles;
+    const int64_t block_numel = LINEAR_COLS * k, block_lines = block_numel * 2 / 64;
+    /* lines of the next block a step of k: all of it over this block's tiles */
+    const int64_t steps = tiles * (k / 2), pace = (block_lines + steps - 1) / steps;
+    const int64_t first = items * t / nt, last = items * (t + 1) / nt;
+    Ranges extra = thread_ranges(call->fetch_at, call->fetch_bytes, call->fetches, t, nt,
+                                 (last - first) * (k / 2));
+    for (int64_t item = first; item < last; item++) {
+        const int64_t b = item / tiles, tile = item % tiles;
+        const int64_t row = tile * LINEAR_ROWS, col = b * LINEAR_COLS;
+        const int rows = m - row < LINEAR_ROWS ? (int)(m - row) : LINEAR_ROWS;
+        const int64_t cols = n - col < LINEAR_COLS ? n - col : LINEAR_COLS;
+        const int fetch = b + 1 < blocks && (last - 1) / tiles > b;
+        const char *next = (const char *)(packed + (b + 1) * block_numel);
+        const char *from = fetch ? next + tile * (k / 2) * pace * 64 : NULL;
+        const char *to = fetch ? next + block_numel * 2 : NULL;
+        const uint16_t *xr = x + row * x_stride, *block = packed + b * block_numel;
+        const uint16_t *bias_b = bias != NULL ? bias + col : NULL;
+        uint16_t *yr = call->y + row * call->y_stride + col;
+        const int64_t y_stride = call->y_stride;
+        switch (rows) { /* the tile specialised for each row count */
+        case 4: linear_tile(xr, x_stride, 4, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
+        case 3: linear_tile(xr, x_stride, 3, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
+        case 2: linear_tile(xr, x_stride, 2, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
+        default: linear_tile(xr, x_stride, 1, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra);
+        }
+    }
+}
+
+#endif /* BF16_BY_FMA */
+
+static int linear_refuses(const LinearCall *call) { return call->k % 2 != 0; }
+
+/* no more threads than work items (a narrow product of a few rows on one) */
+static int linear_threads(const LinearCall *call, int num_threads) {
+    const int64_t blocks = (call->n + LINEAR_COLS - 1) / LINEAR_COLS;
+#if defined(BF16_BY_FMA)
+    const int64_t items = blocks;
+#else
+    const int64_t items = blocks * ((call->m + LINEAR_ROWS - 1) / LINEAR_ROWS);
+#endif
+    return items < num_threads ? (int)items : num_threads;
+}
+#endif /* HAVE_AMX */
+
+/* x [m, k] -> y [m, n], as LinearCall describes them; 0, or linear_refuses's refusal. */
+int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                int64_t fetches, int num_threads) {
+    const LinearCall call = {x, x_stride, m, k, packed, n, bias, y, y_stride,
+                             fetch_at, fetch_bytes, fetches};
+    const int refused = linear_refuses(&call);
+    if (refused || m <= 0 || n <= 0) return refused; /* no rows or columns: nothing to do */
+#pragma omp parallel num_threads(linear_threads(&call, num_threads))
+    linear_thread(&call, omp_get_thread_num(), omp_get_num_threads());
+    return 0;
+}
+
+/* The projection x -> y (its fetch ranges brought into cache meanwhile) and then a LoRA call
+ * on rows of them (its arguments as lora_apply_bf16 takes them, lx and ly within x and y), in
+ * one parallel region, the threads meeting between the two; wherever linear_bf16 runs. Apart,
+ * a decode step's projection and the LoRA call after it each cost a ctypes call and an OpenMP
+ * region of their own, about 6 us, 120 times a step of all-module adapters. */
+int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                     const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                     int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                     int64_t fetches, const uint16_t *lx, int64_t lx_stride, uint16_t *ly,
+                     int64_t ly_stride, int64_t ln, int64_t fin, int64_t modules,
+                     const int64_t *mods, const int64_t *cols, const int64_t *fouts,
+                     const uint16_t *pool, const int64_t *a_rows, const int64_t *b_rows,
+                     int64_t mstride, const int64_t *slots, int64_t r, const float *scales,
+                     int num_threads) {
+    const LinearCall linear = {x, x_stride, m, k, packed, n, bias, y, y_stride,
+                               fetch_at, fetch_bytes, fetches};
+    const int refused = linear_refuses(&linear);
+    if (refused || r > MAX_RANK || modules > MAX_MODULES) return refused ? refused : 1;
+    if (m <= 0 || n <= 0) return 0; /* no rows or columns: nothing to do (nor any LoRA rows) */
+    const LoRACall lora = {lx,    lx_stride, ly,     ly_stride, ln,      fin,   modules, mods, cols,
+                           fouts, pool,      a_rows, b_rows,    mstride, slots, r,       scales};
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();
+        linear_thread(&linear, th, nt);
+#pragma omp barrier
+        lora_thread_bf16(&lora, th, nt);
+    }
+    return 0;
+}
+#else
+int linear_native_bf16(void) { return 0; }
+int linear_fetches_bf16(void) { return 0; }
+int linear_any_rows_bf16(void) { return 0; }
+
+int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                int64_t fetches, int num_threads) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
+    (void)y_stride, (void)fetch_at, (void)fetch_bytes, (void)fetches, (void)num_threads;
+    return 2;
+}
+#endif

@@ -1,0 +1,230 @@
+#include "common.h"
+
+/* RMSNorm of each bfloat16 row, as the reference computes it: in float32, the normalized row
+ * rounded to bfloat16, then multiplied by the weight and rounded again (float32 models keep
+ * torch's ops, whose sum order this does not follow).
+ *   x, out  [n, dim] contiguous; w [dim]
+ * A prompt chunk's rows go on every thread (256 rows of 576: 36 -> 19 us); a decode step's few
+ * rows on one, where waking the other costs more than it saves. */
+/* not inlined: one compiled body, so both entry points sum a row in the same order. The sum
+ * stays the compiler's vector loop (torch's bits in the tests' cases); the rest, element by
+ * element, is written out in AVX-512 where the target has it. */
+__attribute__((noinline)) static void norm_row_bf16(const uint16_t *xi, const uint16_t *w,
+                                                    uint16_t *oi, int64_t dim, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < dim; k++) {
+        const float v = bf16_to_f32(xi[k]);
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m512 rv = _mm512_set1_ps(r);
+    for (int64_t k = 0; k < dim; k += 16) {
+        const __mmask16 m = tail_mask(dim - k);
+        const __m512 normed = rounded_bf16(_mm512_mul_ps(bf16x16(xi + k, m), rv));
+        store_bf16x16(oi + k, m, _mm512_mul_ps(bf16x16(w + k, m), normed));
+    }
+#else
+#pragma omp simd
+    for (int64_t k = 0; k < dim; k++) {
+        const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(xi[k]) * r));
+        oi[k] = f32_to_bf16(bf16_to_f32(w[k]) * normed);
+    }
+#endif
+}
+
+/* rows a thread takes at least: fewer (a decode step's) go on one thread as soon as below two
+ * threads' worth, where waking the other costs more than it saves */
+#define NORM_ROWS_A_THREAD 16
+
+void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t n, int64_t dim,
+                   float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
+    for (int64_t i = 0; i < n; i++) norm_row_bf16(x + i * dim, w, out + i * dim, dim, eps);
+}
+
+/* The residual add and the next norm in one pass: hidden += delta (rounded to bfloat16, as
+ * torch's add rounds), then out = RMSNorm(hidden) as rms_norm_bf16. hidden, delta, out [n, dim]
+ * contiguous. */
+void add_rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *w, uint16_t *out,
+                       int64_t n, int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t *hi = hidden + i * dim;
+        const uint16_t *di = delta + i * dim;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        for (int64_t k = 0; k < dim; k += 16) {
+            const __mmask16 m = tail_mask(dim - k);
+            store_bf16x16(hi + k, m, _mm512_add_ps(bf16x16(hi + k, m), bf16x16(di + k, m)));
+        }
+#else
+#pragma omp simd
+        for (int64_t k = 0; k < dim; k++) hi[k] = f32_to_bf16(bf16_to_f32(hi[k]) + bf16_to_f32(di[k]));
+#endif
+        norm_row_bf16(hi, w, out + i * dim, dim, eps);
+    }
+}
+
+/* SwiGLU's product of bfloat16 rows: out[t] = silu(gate) * up, gate_up[t] = [gate | up] (inter
+ * each, rows stride apart), out [n, inter] contiguous; silu rounded to bfloat16, then the
+ * product, as torch's silu and multiply round. One pass instead of two ops and the temporary
+ * between them. With AVX-512 the exp is a series (within 1e-7 relative of expf: it moves a
+ * rounded silu by one bfloat16 step only at a rounding boundary). */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* exp of sixteen lanes, as exp8 computes eight (2^n e^r, e^r by its series to the 7th power),
+ * but past 88 infinity, as expf gives (silu of a very negative gate is then -0, as torch's) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t inter) {
+    for (int64_t k = 0; k < inter; k += 16) {
+        const __mmask16 m = tail_mask(inter - k);
+        const __m512 gate = bf16x16(g + k, m);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+        const __m512 silu = rounded_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        store_bf16x16(o + k, m, _mm512_mul_ps(silu, bf16x16(u + k, m)));
+    }
+}
+#else
+static inline float silu_f32(float g) { return g / (1.0f + expf(-g)); }
+
+static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t inter) {
+    for (int64_t k = 0; k < inter; k++) {
+        const float silu = bf16_to_f32(f32_to_bf16(silu_f32(bf16_to_f32(g[k]))));
+        o[k] = f32_to_bf16(silu * bf16_to_f32(u[k]));
+    }
+}
+#endif
+
+void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t n, int64_t inter,
+                   uint16_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < n; t++)
+        silu_mul_row_bf16(gate_up + t * stride, gate_up + t * stride + inter, out + t * inter, inter);
+}
+
+/* Rotary embedding and the KV write of bfloat16 tokens, in one pass instead of torch's dozen
+ * small ops a layer. For each token t, from its fused row qkv[t] = [q heads | k heads | v heads]:
+ * the q and k heads rotated by the angles of position positions[t] (rotate-half form: out =
+ * x * cos + rotate_half(x) * sin, each product and the sum rounded to bfloat16 as torch's
+ * bfloat16 ops round them, so the result is the same bits), q into q_out [n, heads, dim]; the
+ * rotated k and the v heads into the token's slot of the layer's paged cache (as in
+ * attend_decode: [pages, page_size, 2, kv_heads, dim], pages page_stride apart).
+ *   cos, sin  [max_positions, dim] bfloat16
+ * -> 0, or 1 (nothing done) if a position is past max_positions. */
+static inline void rope_head_bf16(const uint16_t *x, const uint16_t *c, const uint16_t *s,
+                                  int64_t dim, uint16_t *out) {
+    const int64_t half = dim / 2;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (half % 16 == 0) { /* sixteen at a time: each half's lanes against the other half's */
+        const __m512 minus = _mm512_set1_ps(-0.0f);
+        for (int64_t i = 0; i < half; i += 16) {
+            const __m512 first = bf16x16(x + i, 0xffff), second = bf16x16(x + half + i, 0xffff);
+            const __m512 c1 = bf16x16(c + i, 0xffff), c2 = bf16x16(c + half + i, 0xffff);
+            const __m512 s1 = bf16x16(s + i, 0xffff), s2 = bf16x16(s + half + i, 0xffff);
+            const __m512 a1 = rounded_bf16(_mm512_mul_ps(first, c1));
+            const __m512 b1 = rounded_bf16(_mm512_mul_ps(_mm512_xor_ps(second, minus), s1));
+            const __m512 a2 = rounded_bf16(_mm512_mul_ps(second, c2));
+            const __m512 b2 = rounded_bf16(_mm512_mul_ps(first, s2));
+            store_bf16x16(out + i, 0xffff, _mm512_add_ps(a1, b1));
+            store_bf16x16(out + half + i, 0xffff, _mm512_add_ps(a2, b2));
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < dim; i++) {
+        const float rotated = i < half ? -bf16_to_f32(x[i + half]) : bf16_to_f32(x[i - half]);
+        const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));
+        const float b = bf16_to_f32(f32_to_bf16(rotated * bf16_to_f32(s[i])));
+        out[i] = f32_to_bf16(a + b);
+    }
+}
+
+int rope_write_bf16(const uint16_t *qkv, int64_t qkv_stride, int64_t n, int64_t heads,
+                    int64_t kv_heads, int64_t dim, const uint16_t *cos, const uint16_t *sin,
+                    int64_t max_positions, const int64_t *positions, uint16_t *q_out, uint16_t *kv,
+                    int64_t page_stride, const int64_t *slot_pages, const int64_t *slot_offsets,
+                    int num_threads) {
+    for (int64_t t = 0; t < n; t++)
+        if (positions[t] < 0 || positions[t] >= max_positions) return 1;
+    const int64_t kv_width = kv_heads * dim;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *row = qkv + t * qkv_stride;
+        const uint16_t *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;
+        uint16_t *slot = kv + slot_pages[t] * page_stride + slot_offsets[t] * 2 * kv_width;
+        for (int64_t h = 0; h < heads; h++)
+            rope_head_bf16(row + h * dim, c, s, dim, q_out + (t * heads + h) * dim);
+        for (int64_t h = 0; h < kv_heads; h++)
+            rope_head_bf16(row + (heads + h) * dim, c, s, dim, slot + h * dim);
+        memcpy(slot + kv_width, row + (heads + kv_heads) * dim, (size_t)kv_width * sizeof(uint16_t));
+    }
+    return 0;
+}
+
+/* Greedy sampling's pick: out[i] = the index of the largest element of row i of x [n, vocab]
+ * (rows row_stride apart): the first of equal ones, or the first NaN of a row that has one, as
+ * torch.max(dim=-1) picks. torch's max with indices is a scalar loop on CPU (0.4 ms for 32 rows
+ * of a 49,152-token vocabulary, against 0.04 ms for a max without them); here sixteen lanes
+ * each keep their own first best and its index, and the lanes are compared once at the end. */
+static int64_t first_nan(const float *x, int64_t n) {
+    for (int64_t k = 0; k < n; k++)
+        if (isnan(x[k])) return k;
+    return -1;
+}
+
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t best = 0, k = 1;
+    float top = x[0];
+    int nan = isnan(top);
+#if defined(__AVX512F__)
+    if (n >= 32) {
+        __m512 tops = _mm512_loadu_ps(x);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i where = at;
+        __mmask16 nans = _mm512_cmp_ps_mask(tops, tops, _CMP_UNORD_Q);
+        for (k = 16; k + 16 <= n; k += 16) {
+            const __m512 v = _mm512_loadu_ps(x + k);
+            at = _mm512_add_epi32(at, sixteen);
+            const __mmask16 above = _mm512_cmp_ps_mask(v, tops, _CMP_GT_OQ);
+            nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            tops = _mm512_mask_mov_ps(tops, above, v);
+            where = _mm512_mask_mov_epi32(where, above, at);
+        }
+        top = _mm512_reduce_max_ps(tops);
+        const __mmask16 equal = _mm512_cmp_ps_mask(tops, _mm512_set1_ps(top), _CMP_EQ_OQ);
+        best = _mm512_mask_reduce_min_epi32(equal, where);
+        nan = nans != 0;
+    }
+#endif
+    for (; k < n && !nan; k++) {
+        nan = isnan(x[k]);
+        if (x[k] > top) {
+            top = x[k];
+            best = k;
+        }
+    }
+    return nan ? first_nan(x, n) : best;
+}
+
+void argmax_rows_f32(const float *x, int64_t n, int64_t vocab, int64_t row_stride, int64_t *out,
+                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 4)
+    for (int64_t i = 0; i < n; i++) out[i] = argmax_row(x + i * row_stride, vocab);
+}
