@@ -184,7 +184,8 @@ class Linear:
     faster for all) go through the native bfloat16 projection, which
     makes the LoRA call after it in the same native call (`lora`) and, on AVX512-BF16, brings
     that call's adapter rows into cache while it computes (`fetch`); this keeps a second copy of
-    W, packed for it, beside oneDNN's for larger batches."""
+    W, packed for it, beside oneDNN's for larger batches, but in its FMA build, which takes every
+    product and keeps the one copy."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, decode_kernel: bool = True
@@ -195,7 +196,11 @@ class Linear:
         self._native = choose_linear_bf16(weight) if decode_kernel else None
         self._native_packed = self._native.pack(weight) if self._native is not None else None
         self.weight: torch.Tensor | None = weight
-        if _use_onednn(weight):
+        # the native projection takes every product, of any shape (its FMA build)
+        self._native_takes_all = self._native is not None and self._native.any_rows
+        if self._native_takes_all:
+            self.weight = None
+        elif _use_onednn(weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS_HINT)
             self.weight = None  # the packed copy replaces it
 
@@ -218,7 +223,7 @@ class Linear:
     ) -> torch.Tensor:
         if lora is not None and not self.native(x):
             raise ValueError("this projection of x does not take a LoRA call")
-        if self.native(x):
+        if self._native_takes_all or self.native(x):
             native, packed, n = self._native, self._native_packed, self.out_features
             return native(x, packed, n, self.bias, fetch, lora)
         if self._packed is not None:

@@ -4,8 +4,8 @@ input, group of runs): q, k and v in one call, gate and up in one; the attention
 (`CpuAttentionKernel`: decode tokens, and in bfloat16 prompt tokens too) once per layer, as are
 a bfloat16 model's norms and rotary embedding (`CpuBf16Ops`); greedy sampling's argmax
 (`CpuArgmax`) once per step; on CPUs with AVX512-BF16, a bfloat16 decode step's dense
-projections (`CpuLinearBf16`), each bringing the adapter rows of the LoRA call after it into
-cache while it computes (`Fetch`).
+projections (`CpuLinearBf16`; every product in its FMA build), each bringing the adapter rows of
+the LoRA call after it into cache while it computes (`Fetch`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,

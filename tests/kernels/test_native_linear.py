@@ -88,6 +88,8 @@ def test_rows_a_stride_apart_and_larger_batches_agree(build):
     assert_within_a_rounding_step(linear(x[:32]), reference(x[:32], weight, None))
     # past NATIVE_LINEAR_MAX_ROWS: oneDNN's kernels, or the FMA build's own
     assert_within_a_rounding_step(linear(x), reference(x, weight, None))
+    batched = torch.randn(2, 35, 128).bfloat16()  # not 2-D (the FMA build keeps no other copy)
+    assert_within_a_rounding_step(linear(batched), reference(batched, weight, None))
 
 
 def test_odd_input_width_keeps_onednn():
