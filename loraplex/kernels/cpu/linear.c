@@ -251,7 +251,8 @@ static inline __attribute__((always_inline)) void linear_tile(
  * registers over the chunk and in `sums` between chunks. The widening is paid once a chunk for
  * up to FMA_GROUP rows, where a tile that widened its own W (the vdpbf16ps tile's shape) spent
  * one instruction in five on it. On a 2-core Xeon (family 6, model 207), products of SmolLM2's
- * shapes at 320-390 GFLOP/s (oneDNN's bfloat16 kernels 170-220, its float32 310-410). */
+ * shapes at 270-390 GFLOP/s, decode steps' 32 rows at the low end (oneDNN's bfloat16 kernels
+ * 160-220, its float32 270-410). */
 #define FMA_CHUNK 32
 #define FMA_GROUP 64
 
