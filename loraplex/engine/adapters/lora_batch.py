@@ -245,7 +245,8 @@ class TorchLoRA:
             return None
         if modules not in self._fetches:
             self._fetches[modules] = self._fetch_ranges(modules, in_features)
-        return self._fetches[modules][layer]
+        ranges = self._fetches[modules]
+        return ranges[layer] if ranges else None  # none: a batch of long prompt spans alone
 
     def _fetch_ranges(self, modules: Modules, in_features: int) -> list[cpu_lora.Fetch | None]:
         """Every layer's ranges for `modules`: a group's for all the layers where it changes the
