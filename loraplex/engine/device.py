@@ -208,7 +208,7 @@ class Linear:
         """Whether the product of x goes through the native projection."""
         if self._native is None or x.dim() != 2:
             return False
-        return x.shape[0] <= NATIVE_LINEAR_MAX_ROWS or self._native.any_rows
+        return x.shape[0] <= NATIVE_LINEAR_MAX_ROWS or self._native_takes_all
 
     def fetches(self, x: torch.Tensor) -> bool:
         """Whether the product of x takes a `fetch` (the native projection, where it fetches,

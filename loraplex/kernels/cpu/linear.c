@@ -248,7 +248,7 @@ static inline __attribute__((always_inline)) void linear_tile(
 /* Where vdpbf16ps runs at half the rate of float32 FMAs (Intel's cores without AMX): W's
  * bfloat16 widened to float32, FMA_CHUNK input pairs of a block at a time, into a buffer L1
  * holds; then each tile of LINEAR_ROWS rows takes that chunk through FMAs, its 6 x 4 sums in
- * registers over the chunk and in `sums` between chunks. The widening is paid once a chunk for
+ * registers over the chunk and in `sums` [rows][LINEAR_COLS] between chunks. The widening is paid once a chunk for
  * up to FMA_GROUP rows, where a tile that widened its own W (the vdpbf16ps tile's shape) spent
  * one instruction in five on it. On a 2-core Xeon (family 6, model 207), products of SmolLM2's
  * shapes at 270-390 GFLOP/s, decode steps' 32 rows at the low end (oneDNN's bfloat16 kernels
@@ -264,7 +264,8 @@ static inline __attribute__((always_inline)) void fma_tile(
     float xf[LINEAR_ROWS][2 * FMA_CHUNK];
     for (int i = 0; i < R; i++) {
         for (int c = 0; c < 6; c++)
-            acc[i][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * 96 + c * 16);
+            acc[i][c] =
+                first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * LINEAR_COLS + c * 16);
         for (int64_t e = 0; e < 2 * pairs; e += 16) {
             const __mmask16 m = tail_mask(2 * pairs - e);
             _mm512_mask_storeu_ps(xf[i] + e, m, bf16x16(x + i * x_stride + e, m));
@@ -284,7 +285,7 @@ static inline __attribute__((always_inline)) void fma_tile(
         }
     }
     for (int i = 0; i < R; i++)
-        for (int c = 0; c < 6; c++) _mm512_storeu_ps(sums + i * 96 + c * 16, acc[i][c]);
+        for (int c = 0; c < 6; c++) _mm512_storeu_ps(sums + i * LINEAR_COLS + c * 16, acc[i][c]);
 }
 
 /* Rows row .. row + rows (at most FMA_GROUP) of block b; the thread's next block brought into
@@ -294,7 +295,7 @@ static void fma_group(const LinearCall *call, int64_t b, int64_t row, int64_t ro
     const int64_t k = call->k, pairs = k / 2, col = b * LINEAR_COLS;
     const uint16_t *block = call->packed + b * LINEAR_COLS * k;
     float wf[FMA_CHUNK * 12 * 16] __attribute__((aligned(64)));
-    float sums[FMA_GROUP * 96];
+    float sums[FMA_GROUP * LINEAR_COLS];
     for (int64_t p0 = 0; p0 < pairs; p0 += FMA_CHUNK) {
         const int64_t chunk = pairs - p0 < FMA_CHUNK ? pairs - p0 : FMA_CHUNK;
         for (int64_t p = 0; p < chunk; p++)
@@ -306,8 +307,8 @@ static void fma_group(const LinearCall *call, int64_t b, int64_t row, int64_t ro
         for (int64_t i = 0; i < rows; i += LINEAR_ROWS) {
             const uint16_t *xr = call->x + (row + i) * call->x_stride + 2 * p0;
 #define FMA_TILE_OF(R_)                                                                         \
-    fma_tile(xr, call->x_stride, R_, chunk, wf, sums + i * 96, p0 == 0, fetch, fetch_end, pace, \
-             extra)
+    fma_tile(xr, call->x_stride, R_, chunk, wf, sums + i * LINEAR_COLS, p0 == 0, fetch, fetch_end, \
+             pace, extra)
             switch (rows - i < LINEAR_ROWS ? rows - i : LINEAR_ROWS) {
             case 4: FMA_TILE_OF(4); break;
             case 3: FMA_TILE_OF(3); break;
@@ -324,7 +325,7 @@ static void fma_group(const LinearCall *call, int64_t b, int64_t row, int64_t ro
             call->bias != NULL ? bf16x16(call->bias + col + c * 16, m) : _mm512_setzero_ps();
         for (int64_t i = 0; i < rows; i++)
             store_bf16x16(call->y + (row + i) * call->y_stride + col + c * 16, m,
-                          _mm512_add_ps(_mm512_loadu_ps(sums + i * 96 + c * 16), bv));
+                          _mm512_add_ps(_mm512_loadu_ps(sums + i * LINEAR_COLS + c * 16), bv));
     }
 }
 
