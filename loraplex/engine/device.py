@@ -9,7 +9,8 @@ On CPU, dense projections run through oneDNN with weights prepacked once at load
 2-core AVX-512 machines loraplex is developed on, that is 2-3x faster than the default BLAS path
 for the 32-to-256-row batches of a serving step, and still IEEE float32. In bfloat16, a decode
 step's products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel instead, on AMX
-tiles or AVX512-BF16 dot products (choose_linear_bf16). Anywhere else (CUDA, or a CPU build
+tiles or AVX512-BF16 dot products (choose_linear_bf16); with AMX, and in its FMA build, every
+product does. Anywhere else (CUDA, or a CPU build
 without oneDNN), `torch.nn.functional.linear`.
 """
 
@@ -143,8 +144,8 @@ def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 _PACKING_ROWS_HINT = 64
 
 
-# The most rows the native bfloat16 projection takes, unless it is faster for any (its FMA
-# build: cpu_lora.CpuLinearBf16.any_rows); more (prompt chunks) go to oneDNN, whose blocking
+# The most rows the native bfloat16 projection takes, unless it is as fast for any (with AMX, and
+# its FMA build: cpu_lora.CpuLinearBf16.any_rows); more (prompt chunks) go to oneDNN, whose blocking
 # wins there (256 rows: 0.77x oneDNN's speed; 64 rows: 0.97x; 32 rows: 1.05-1.14x with weights
 # from memory, measured over SmolLM2's 30 layers on a 2-core Zen 5).
 NATIVE_LINEAR_MAX_ROWS = 32
@@ -180,12 +181,12 @@ class Linear:
     """y = x W^T (+ b), with W stored however the device runs it fastest.
 
     With `decode_kernel` and where choose_linear_bf16 offers it, batches of up to
-    NATIVE_LINEAR_MAX_ROWS rows (decode steps; any batch in its FMA build, where it is the
-    faster for all) go through the native bfloat16 projection, which
+    NATIVE_LINEAR_MAX_ROWS rows (decode steps; any batch with AMX and in its FMA build, where it
+    is as fast or faster for all) go through the native bfloat16 projection, which
     makes the LoRA call after it in the same native call (`lora`) and, on AVX512-BF16, brings
     that call's adapter rows into cache while it computes (`fetch`); this keeps a second copy of
-    W, packed for it, beside oneDNN's for larger batches, but in its FMA build, which takes every
-    product and keeps the one copy."""
+    W, packed for it, beside oneDNN's for larger batches, but where it takes every product and
+    keeps the one copy."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, decode_kernel: bool = True
@@ -196,7 +197,7 @@ class Linear:
         self._native = choose_linear_bf16(weight) if decode_kernel else None
         self._native_packed = self._native.pack(weight) if self._native is not None else None
         self.weight: torch.Tensor | None = weight
-        # the native projection takes every product, of any shape (its FMA build)
+        # the native projection takes every product, of any shape (AMX, its FMA build)
         self._native_takes_all = self._native is not None and self._native.any_rows
         if self._native_takes_all:
             self.weight = None

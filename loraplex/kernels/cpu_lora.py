@@ -4,7 +4,7 @@ input, group of runs): q, k and v in one call, gate and up in one; the attention
 (`CpuAttentionKernel`: decode tokens, and in bfloat16 prompt tokens too) once per layer, as are
 a bfloat16 model's norms and rotary embedding (`CpuBf16Ops`); greedy sampling's argmax
 (`CpuArgmax`) once per step; on CPUs with AVX512-BF16, a bfloat16 decode step's dense
-projections (`CpuLinearBf16`; every product in its FMA build), each bringing the adapter rows of
+projections (`CpuLinearBf16`; every product with AMX and in its FMA build), each bringing the adapter rows of
 the LoRA call after it into cache while it computes (`Fetch`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
@@ -431,7 +431,7 @@ class CpuLinearBf16(_PerDtype):
     either (and, with AMX, Linux grants the tiles), and nothing elsewhere. `fetches`: whether
     it takes memory ranges to bring into cache meanwhile (not with AMX, where the products are
     bound by memory themselves). `any_rows`: whether it is the faster projection for any number
-    of rows, not for decode steps only (its FMA build). Wherever it runs, it also makes the LoRA
+    of rows, not for decode steps only (with AMX, and its FMA build). Wherever it runs, it also makes the LoRA
     call after it in the same native call."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:

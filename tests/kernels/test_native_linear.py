@@ -1,8 +1,8 @@
 """The native bfloat16 projection (CPUs with AMX or AVX512-BF16; each of its kernels runs where
 the CPU has it, and the vdpbf16ps and FMA builds both run on every CPU with AVX512-BF16): the
 product rounded once, whatever the shape (with AMX, input widths that are not a multiple of 32
-end in a vdpbf16ps tail); decode-sized batches take it and larger ones oneDNN (or it too, in the
-FMA build), with the same results to a rounding step; and the adapter rows a fetching projection
+end in a vdpbf16ps tail); decode-sized batches take it and larger ones oneDNN (or it too, with AMX
+and in the FMA build: rows 32 at a time), with the same results to a rounding step; and the adapter rows a fetching projection
 is asked to bring into cache are exactly those the LoRA call after it reads."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def assert_within_a_rounding_step(got, want):
     assert bool((gap <= STEP * want.float().abs() + 1e-6).all()), float(gap.max())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 31, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 31, 32, 33, 48, 70])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 64), (17, 18), (97, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_native_projection_is_the_product_rounded_once(
@@ -86,10 +86,26 @@ def test_rows_a_stride_apart_and_larger_batches_agree(build):
     wide = torch.randn(70, 256).bfloat16()
     x = wide[:, :128]  # rows 256 apart
     assert_within_a_rounding_step(linear(x[:32]), reference(x[:32], weight, None))
-    # past NATIVE_LINEAR_MAX_ROWS: oneDNN's kernels, or the FMA build's own
+    # past NATIVE_LINEAR_MAX_ROWS: oneDNN's kernels, or the native ones with AMX and in the FMA
+    # build
     assert_within_a_rounding_step(linear(x), reference(x, weight, None))
     batched = torch.randn(2, 35, 128).bfloat16()  # not 2-D (the FMA build keeps no other copy)
     assert_within_a_rounding_step(linear(batched), reference(batched, weight, None))
+
+
+def test_where_it_takes_every_batch_a_row_gives_the_same_bits_in_any_batch(build):
+    """With AMX and in the FMA build the native projection takes batches of any size, each row's
+    sums kept apart from the other rows': a token's projection is the same bits whether it runs
+    alone, in a decode batch or in a prompt chunk."""
+    torch.manual_seed(1)
+    weight = (torch.randn(200, 96) * 0.2).bfloat16()
+    linear = device.Linear(weight, torch.randn(200).bfloat16())
+    if not linear._native_takes_all:
+        pytest.skip("this build takes decode-sized batches only")
+    x = torch.randn(100, 96).bfloat16()
+    whole = linear(x)
+    for start, end in [(0, 1), (5, 6), (0, 32), (31, 64), (40, 100), (99, 100)]:
+        assert torch.equal(linear(x[start:end]), whole[start:end]), (start, end)
 
 
 def test_odd_input_width_keeps_onednn():
