@@ -74,8 +74,8 @@ typedef struct {
  * product and oneDNN keeps no copy of W (SmolLM2 resident: 3,265 -> 2,978 MiB). On a 2-core Xeon
  * with AMX (family 6, model 167 as its hypervisor shows it), SmolLM2's four projections of 30
  * layers of distinct weights took 0.80-0.84x oneDNN's time (its AMX kernels) at 33-64 rows and
- * 0.90-1.04x at 100-256 rows, about 1.25 TFLOP/s at 256; a prefill of 16 prompts of 256 tokens
- * 0.95x. One kernel for every batch also makes a row's product the same bits in any batch. */
+ * 0.90-1.07x at 100-256 rows, about 1.25 TFLOP/s at 256 (benchmarks/prompt_projection.py); a
+ * prefill of 16 prompts of 256 tokens 0.95x. One kernel for every batch also makes a row's product the same bits in any batch. */
 /* The tiles, by number (the intrinsics take literal numbers): 0, 1 x's rows 0-15 and 16-31; 2, 3
  * W's columns 0-15 and 16-31; 4, 5 the sums of rows 0-15 (columns 0-15, 16-31); 6, 7 of rows
  * 16-31. */
