@@ -18,7 +18,10 @@
 #include "lora.h"
 
 /* float32: each thread takes whole tokens, shrink into v, then expand straight into y, with no
- * barrier in between. A token's rows are streamed front to back, which the prefetcher follows. */
+ * barrier in between. A token's rows are streamed front to back, which the prefetcher follows,
+ * and the rows of the token the thread takes next (static schedule: t + 1, each token's rows
+ * elsewhere in the pool) brought into L2 meanwhile: without, a thread waits on memory at every
+ * row it starts. */
 int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t n,
                    int64_t fin, int64_t modules, const int64_t *mods, const int64_t *cols,
                    const int64_t *fouts, const float *pool, const int64_t *a_rows,
@@ -36,14 +39,12 @@ int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
             const int64_t *bt = b_rows + mods[i] * mstride + s * r;
             float *yt = y + t * y_stride + cols[i];
             const int64_t fout = fouts[i], ahead = (later - s) * r;
-            for (int64_t j = 0; j < r; j++) {
-                if (later >= 0) prefetch_l2(pool + at[ahead + j], fin * sizeof(float));
-                v[j] = dot_f32(xt, pool + at[j], fin) * scales[s];
-            }
-            for (int64_t j = 0; j < r; j++) {
-                if (later >= 0) prefetch_l2(pool + bt[ahead + j], fout * sizeof(float));
-                axpy_f32(yt, v[j], pool + bt[j], fout);
-            }
+            for (int64_t j = 0; j < r; j++)
+                v[j] = dot_f32_ahead(xt, pool + at[j], fin,
+                                     later >= 0 ? pool + at[ahead + j] : NULL) * scales[s];
+            for (int64_t j = 0; j < r; j++)
+                axpy_f32_ahead(yt, v[j], pool + bt[j], fout,
+                               later >= 0 ? pool + bt[ahead + j] : NULL);
         }
     }
     return 0;
