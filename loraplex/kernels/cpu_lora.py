@@ -4,8 +4,8 @@ input, group of runs): q, k and v in one call, gate and up in one; the attention
 (`CpuAttentionKernel`: decode tokens, and in bfloat16 prompt tokens too) once per layer, as are
 a bfloat16 model's norms and rotary embedding (`CpuBf16Ops`); greedy sampling's argmax
 (`CpuArgmax`) once per step; on CPUs with AVX512-BF16, a bfloat16 decode step's dense
-projections (`CpuLinearBf16`; every product with AMX and in its FMA build), each bringing the adapter rows of
-the LoRA call after it into cache while it computes (`Fetch`).
+projections (`CpuLinearBf16`; every product with AMX and in its FMA build), each bringing the
+adapter rows of the LoRA call after it into cache while it computes (`Fetch`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -39,9 +39,21 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-l
 MAX_RANK = 1024  # as in cpu/common.h; a larger rank takes the torch path
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_MODULES = 8  # outputs a call (cpu/common.h)
+# a LoRA call: x, its row stride, y, its row stride, x's width, the LoRABinding (cpu/lora.h)
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-_ARGTYPES += [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
-_ARGTYPES += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+_ARGTYPES += [ctypes.c_void_p]
+
+
+class LoRABinding(ctypes.Structure):
+    """A LoRA call's arguments but x and y, as cpu/lora.h lays them out."""
+
+    _fields_ = [
+        ("start", ctypes.c_int64), ("end", ctypes.c_int64), ("modules", ctypes.c_int64),
+        ("mods", ctypes.c_void_p), ("cols", ctypes.c_void_p), ("fouts", ctypes.c_void_p),
+        ("pool", ctypes.c_void_p), ("a_rows", ctypes.c_void_p), ("b_rows", ctypes.c_void_p),
+        ("mstride", ctypes.c_int64), ("slots", ctypes.c_void_p), ("r", ctypes.c_int64),
+        ("scales", ctypes.c_void_p), ("num_threads", ctypes.c_int64),
+    ]  # fmt: skip
 
 
 def cache_dir() -> Path:
@@ -227,38 +239,32 @@ class CpuLoRAKernel(_PerDtype):
 
 class BoundLoRA:
     """CpuLoRAKernel.bind's call: the kernel on rows start..end of x and y, its other arguments
-    converted once (and their tensors held as long as the call)."""
+    converted once into one LoRABinding (and their tensors held as long as the call)."""
 
     def __init__(self, function, pool, a_rows, b_rows, slots, rank, scales, outputs, start, end):
-        self._function, self._dtype, self._size = function, pool.dtype, pool.element_size()
-        self._start, self._end, self._columns = start, end, outputs.end
+        self._function, self._dtype = function, pool.dtype
+        self._end, self._columns = end, outputs.end
         self._tensors = (pool, a_rows, b_rows, slots, scales, outputs)
-        self._tail = (
-            outputs.count, outputs.rows.data_ptr(), outputs.columns.data_ptr(),
+        self._binding = LoRABinding(
+            start, end, outputs.count, outputs.rows.data_ptr(), outputs.columns.data_ptr(),
             outputs.widths.data_ptr(), pool.data_ptr(), a_rows.data_ptr(), b_rows.data_ptr(),
             a_rows.stride(0), slots.data_ptr(), rank, scales.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+        self.binding = ctypes.addressof(self._binding)  # what the kernels take
+        self.empty = end == start
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        arguments = self.arguments(x, y)
-        if arguments is not None:
-            self._function(*arguments)
+        if self.takes(x, y):
+            self._function(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1],
+                           self.binding)  # fmt: skip
 
-    def arguments(self, x: torch.Tensor, y: torch.Tensor) -> tuple | None:
-        """The kernel's arguments on (x, y), checked; None if the call has no rows."""
-        start, end = self._start, self._end
-        if x.stride(1) != 1 or y.stride(1) != 1 or min(x.shape[0], y.shape[0]) < end:
+    def takes(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether the call has rows to take on (x, y); raises if x and y do not fit it."""
+        if x.stride(1) != 1 or y.stride(1) != 1 or min(x.shape[0], y.shape[0]) < self._end:
             raise ValueError("x and y need unit column stride and the bound rows")
         if y.shape[1] < self._columns or x.dtype != self._dtype or y.dtype != self._dtype:
             raise ValueError("the outputs do not fit y, or x, y and the pool differ in dtype")
-        if end == start:
-            return None
-        rows_x, rows_y = x.stride(0), y.stride(0)
-        return (
-            x.data_ptr() + start * rows_x * self._size, rows_x,
-            y.data_ptr() + start * rows_y * self._size, rows_y, end - start, x.shape[1],
-            *self._tail,
-        )  # fmt: skip
+        return not self.empty
 
 
 _ATTENTION_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
@@ -431,8 +437,8 @@ class CpuLinearBf16(_PerDtype):
     either (and, with AMX, Linux grants the tiles), and nothing elsewhere. `fetches`: whether
     it takes memory ranges to bring into cache meanwhile (not with AMX, where the products are
     bound by memory themselves). `any_rows`: whether it is the faster projection for any number
-    of rows, not for decode steps only (with AMX, and its FMA build). Wherever it runs, it also makes the LoRA
-    call after it in the same native call."""
+    of rows, not for decode steps only (with AMX, and its FMA build). Wherever it runs, it also
+    makes the LoRA call after it in the same native call."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
@@ -443,7 +449,7 @@ class CpuLinearBf16(_PerDtype):
         self.fetches = native and bool(lib.linear_fetches_bf16())
         self.any_rows = native and bool(lib.linear_any_rows_bf16())
         self._functions = _bind(lib, "linear", argtypes, ctypes.c_int, bf16) if native else {}
-        fused = argtypes[:-1] + _ARGTYPES  # the projection's but its threads, the call's
+        fused = [*argtypes[:-1], ctypes.c_void_p]  # the projection's but its threads, a binding
         self._fused = _bind(lib, "linear_lora", fused, ctypes.c_int, bf16) if native else {}
         numel = [ctypes.c_int64] * 2
         self._numel = _bind(lib, "linear_packed_numel", numel, ctypes.c_int64, bf16)[torch.bfloat16]
@@ -486,9 +492,8 @@ class CpuLinearBf16(_PerDtype):
                 fetch.at.data_ptr() if fetched else None,
                 fetch.bytes.data_ptr() if fetched else None, fetch.count if fetched else 0,
             )  # fmt: skip
-            then = lora.arguments(x2, y) if lora is not None else None
-            if then is not None:
-                status = self._fused[torch.bfloat16](*projection, *then)
+            if lora is not None and lora.takes(x2, y):
+                status = self._fused[torch.bfloat16](*projection, lora.binding)
             else:
                 status = self._functions[torch.bfloat16](*projection, torch.get_num_threads())
             if status != 0:

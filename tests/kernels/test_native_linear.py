@@ -1,9 +1,10 @@
 """The native bfloat16 projection (CPUs with AMX or AVX512-BF16; each of its kernels runs where
 the CPU has it, and the vdpbf16ps and FMA builds both run on every CPU with AVX512-BF16): the
 product rounded once, whatever the shape (with AMX, input widths that are not a multiple of 32
-end in a vdpbf16ps tail); decode-sized batches take it and larger ones oneDNN (or it too, with AMX
-and in the FMA build: rows 32 at a time), with the same results to a rounding step; and the adapter rows a fetching projection
-is asked to bring into cache are exactly those the LoRA call after it reads."""
+end in a vdpbf16ps tail); decode-sized batches take it and larger ones oneDNN (or it too, with
+AMX and in the FMA build: rows 32 at a time), with the same results to a rounding step; and the
+adapter rows a fetching projection is asked to bring into cache are exactly those the LoRA call
+after it reads."""
 
 from __future__ import annotations
 

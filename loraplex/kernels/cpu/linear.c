@@ -446,28 +446,22 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     return 0;
 }
 
-/* The projection x -> y (its fetch ranges brought into cache meanwhile) and then a LoRA call
- * on rows of them (its arguments as lora_apply_bf16 takes them, lx and ly within x and y), in
- * one parallel region, the threads meeting between the two; wherever linear_bf16 runs. Apart,
- * a decode step's projection and the LoRA call after it each cost a ctypes call and an OpenMP
- * region of their own, about 6 us, 120 times a step of all-module adapters. */
+/* The projection x -> y (its fetch ranges brought into cache meanwhile) and then the LoRA call
+ * `bound` on (x, y), in one parallel region, the threads meeting between the two; wherever
+ * linear_bf16 runs. Apart, a decode step's projection and the LoRA call after it each cost a
+ * ctypes call and an OpenMP region of their own, about 6 us, 120 times a step of all-module
+ * adapters. */
 int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                      const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
                      int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
-                     int64_t fetches, const uint16_t *lx, int64_t lx_stride, uint16_t *ly,
-                     int64_t ly_stride, int64_t ln, int64_t fin, int64_t modules,
-                     const int64_t *mods, const int64_t *cols, const int64_t *fouts,
-                     const uint16_t *pool, const int64_t *a_rows, const int64_t *b_rows,
-                     int64_t mstride, const int64_t *slots, int64_t r, const float *scales,
-                     int num_threads) {
+                     int64_t fetches, const LoRABinding *bound) {
     const LinearCall linear = {x, x_stride, m, k, packed, n, bias, y, y_stride,
                                fetch_at, fetch_bytes, fetches};
     const int refused = linear_refuses(&linear);
-    if (refused || r > MAX_RANK || modules > MAX_MODULES) return refused ? refused : 1;
+    if (refused || bound->r > MAX_RANK || bound->modules > MAX_MODULES) return refused ? refused : 1;
     if (m <= 0 || n <= 0) return 0; /* no rows or columns: nothing to do (nor any LoRA rows) */
-    const LoRACall lora = {lx,    lx_stride, ly,     ly_stride, ln,      fin,   modules, mods, cols,
-                           fouts, pool,      a_rows, b_rows,    mstride, slots, r,       scales};
-#pragma omp parallel num_threads(num_threads)
+    const LoRACall lora = lora_call_bf16(x, x_stride, y, y_stride, k, bound);
+#pragma omp parallel num_threads((int)bound->num_threads)
     {
         const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();
         linear_thread(&linear, th, nt);

@@ -1,15 +1,17 @@
 /* Batched LoRA on CPU (lora_apply_f32, lora_apply_bf16): y[t] += scale[s] * (x[t] @ A_s^T) @ B_s
  * for each token t of run s, every adapter row read straight from the page pool, once per token
- * (a token sorted next to tokens of the same adapter finds its rows in cache).
+ * (a token sorted next to tokens of the same adapter finds its rows in cache). A call takes x,
+ * y and the input width, and the rest bound once (LoRABinding, lora.h): rows start .. end of
+ * x and y, and
  *
- *   x       [n, fin]    row stride x_stride        the layer input
- *   y       [n, *]      row stride y_stride        accumulated into: output i (one module) at
+ *   x       [*, fin]    row stride x_stride        the layer input
+ *   y       [*, *]      row stride y_stride        accumulated into: output i (one module) at
  *                                                  columns cols[i] .. cols[i] + fouts[i]
  *   mods    [modules]   output i's module: its rows are those of row mods[i] of a_rows, b_rows
  *   a_rows  [*, mstride] flat pool offset of row j of run s's lora_A, at [m, s * r + j]
  *                        (fin elements long)
  *   b_rows  [*, mstride] the same for lora_B^T (fouts[i] elements long)
- *   slots   [n]         the run s of token t (the tokens of a prefill span share one)
+ *   slots   [end - start] the run s of token t (the tokens of a prefill span share one)
  *   scales  [runs]      float32
  *   r       <= MAX_RANK, modules <= MAX_MODULES (else nothing is done and 1 is returned)
  *
@@ -22,12 +24,16 @@
  * and the rows of the token the thread takes next (static schedule: t + 1, each token's rows
  * elsewhere in the pool) brought into L2 meanwhile: without, a thread waits on memory at every
  * row it starts. */
-int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t n,
-                   int64_t fin, int64_t modules, const int64_t *mods, const int64_t *cols,
-                   const int64_t *fouts, const float *pool, const int64_t *a_rows,
-                   const int64_t *b_rows, int64_t mstride, const int64_t *slots, int64_t r,
-                   const float *scales, int num_threads) {
+int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t fin,
+                   const LoRABinding *bound) {
+    const int64_t n = bound->end - bound->start, modules = bound->modules, r = bound->r;
+    const int64_t *mods = bound->mods, *cols = bound->cols, *fouts = bound->fouts;
+    const int64_t *a_rows = bound->a_rows, *b_rows = bound->b_rows, *slots = bound->slots;
+    const int64_t mstride = bound->mstride;
+    const float *pool = bound->pool, *scales = bound->scales;
+    const int num_threads = (int)bound->num_threads;
     if (r > MAX_RANK || modules > MAX_MODULES) return 1;
+    x += bound->start * x_stride, y += bound->start * y_stride;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t t = 0; t < n; t++) {
         const int64_t s = slots[t];
@@ -437,14 +443,10 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
 }
 
 int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
-                    int64_t n, int64_t fin, int64_t modules, const int64_t *mods,
-                    const int64_t *cols, const int64_t *fouts, const uint16_t *pool,
-                    const int64_t *a_rows, const int64_t *b_rows, int64_t mstride,
-                    const int64_t *slots, int64_t r, const float *scales, int num_threads) {
-    if (r > MAX_RANK || modules > MAX_MODULES) return 1;
-    const LoRACall call = {x,    x_stride, y,      y_stride, n,       fin,   modules, mods, cols,
-                           fouts, pool,    a_rows, b_rows,   mstride, slots, r,       scales};
-#pragma omp parallel num_threads(num_threads)
+                    int64_t fin, const LoRABinding *bound) {
+    if (bound->r > MAX_RANK || bound->modules > MAX_MODULES) return 1;
+    const LoRACall call = lora_call_bf16(x, x_stride, y, y_stride, fin, bound);
+#pragma omp parallel num_threads((int)bound->num_threads)
     lora_thread_bf16(&call, omp_get_thread_num(), omp_get_num_threads());
     return 0;
 }

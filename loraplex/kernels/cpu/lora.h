@@ -4,7 +4,22 @@
 #define LORAPLEX_CPU_LORA_H
 #include "common.h"
 
-/* A bfloat16 LoRA call's arguments, as lora_apply_bf16 takes them. */
+/* A LoRA call's arguments but its input and output, bound once per (layer, projection input) and
+ * batch (cpu_lora.BoundLoRA): the kernel takes rows start .. end of x and y. Passed as one
+ * pointer, where its 14 values as arguments of their own cost about 1.7 us of ctypes a call. */
+typedef struct {
+    int64_t start, end, modules;
+    const int64_t *mods, *cols, *fouts;
+    const void *pool; /* float or uint16_t, as x and y */
+    const int64_t *a_rows, *b_rows;
+    int64_t mstride;
+    const int64_t *slots;
+    int64_t r;
+    const float *scales;
+    int64_t num_threads;
+} LoRABinding;
+
+/* A bfloat16 LoRA call's arguments (lora_thread_bf16). */
 typedef struct {
     const uint16_t *x;
     int64_t x_stride;
@@ -18,6 +33,16 @@ typedef struct {
     int64_t r;
     const float *scales;
 } LoRACall;
+
+/* The bfloat16 call of `bound` on x [*, fin] and y (rows x_stride, y_stride apart, from row 0) */
+static inline LoRACall lora_call_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y,
+                                      int64_t y_stride, int64_t fin, const LoRABinding *bound) {
+    const LoRACall call = {x + bound->start * x_stride, x_stride, y + bound->start * y_stride,
+                           y_stride, bound->end - bound->start, fin, bound->modules, bound->mods,
+                           bound->cols, bound->fouts, bound->pool, bound->a_rows, bound->b_rows,
+                           bound->mstride, bound->slots, bound->r, bound->scales};
+    return call;
+}
 
 /* Thread th of nt's share of a call (lora_apply_bf16 runs it on each thread of its team). */
 __attribute__((visibility("hidden"))) void lora_thread_bf16(const LoRACall *call, int64_t th,
