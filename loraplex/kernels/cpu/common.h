@@ -54,7 +54,8 @@ static inline float dot_f32_ahead(const float *x, const float *a, int64_t n, con
 }
 
 /* y += v * b; with `ahead`, as dot_f32_ahead */
-static inline void axpy_f32_ahead(float *y, float v, const float *b, int64_t n, const float *ahead) {
+static inline void axpy_f32_ahead(float *y, float v, const float *b, int64_t n,
+                                  const float *ahead) {
     const __m256 vv = _mm256_set1_ps(v);
     int64_t k = 0;
     for (; k + 8 <= n; k += 8) {
@@ -110,7 +111,8 @@ static inline float dot_f32_ahead(const float *x, const float *a, int64_t n, con
     return acc;
 }
 
-static inline void axpy_f32_ahead(float *y, float v, const float *b, int64_t n, const float *ahead) {
+static inline void axpy_f32_ahead(float *y, float v, const float *b, int64_t n,
+                                  const float *ahead) {
     if (ahead != NULL)
         for (int64_t k = 0; k < n; k += 16) __builtin_prefetch(ahead + k, 0, 2);
 #pragma omp simd

@@ -75,7 +75,8 @@ typedef struct {
  * with AMX (family 6, model 167 as its hypervisor shows it), SmolLM2's four projections of 30
  * layers of distinct weights took 0.80-0.84x oneDNN's time (its AMX kernels) at 33-64 rows and
  * 0.90-1.07x at 100-256 rows, about 1.25 TFLOP/s at 256 (benchmarks/prompt_projection.py); a
- * prefill of 16 prompts of 256 tokens 0.95x. One kernel for every batch also makes a row's product the same bits in any batch. */
+ * prefill of 16 prompts of 256 tokens 0.95x. One kernel for every batch also makes a row's
+ * product the same bits in any batch. */
 /* The tiles, by number (the intrinsics take literal numbers): 0, 1 x's rows 0-15 and 16-31; 2, 3
  * W's columns 0-15 and 16-31; 4, 5 the sums of rows 0-15 (columns 0-15, 16-31); 6, 7 of rows
  * 16-31. */
@@ -458,7 +459,8 @@ int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     const LinearCall linear = {x, x_stride, m, k, packed, n, bias, y, y_stride,
                                fetch_at, fetch_bytes, fetches};
     const int refused = linear_refuses(&linear);
-    if (refused || bound->r > MAX_RANK || bound->modules > MAX_MODULES) return refused ? refused : 1;
+    if (refused) return refused;
+    if (bound->r > MAX_RANK || bound->modules > MAX_MODULES) return 1;
     if (m <= 0 || n <= 0) return 0; /* no rows or columns: nothing to do (nor any LoRA rows) */
     const LoRACall lora = lora_call_bf16(x, x_stride, y, y_stride, k, bound);
 #pragma omp parallel num_threads((int)bound->num_threads)
