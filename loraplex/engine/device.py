@@ -10,8 +10,7 @@ On CPU, dense projections run through oneDNN with weights prepacked once at load
 for the 32-to-256-row batches of a serving step, and still IEEE float32. In bfloat16, a decode
 step's products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel instead, on AMX
 tiles or AVX512-BF16 dot products (choose_linear_bf16); with AMX, and in its FMA build, every
-product does. Anywhere else (CUDA, or a CPU build
-without oneDNN), `torch.nn.functional.linear`.
+product does. Anywhere else (CUDA, or a CPU build without oneDNN), `torch.nn.functional.linear`.
 """
 
 from __future__ import annotations

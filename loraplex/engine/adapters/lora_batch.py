@@ -282,11 +282,7 @@ class TorchLoRA:
                     at[layer].append(row)
                     nbytes[layer].append(lengths)
         return [
-            cpu_lora.Fetch(
-                a[0] if len(a) == 1 else torch.cat(a), b[0] if len(b) == 1 else torch.cat(b)
-            )
-            if a
-            else None
+            cpu_lora.Fetch(torch.cat(a), torch.cat(b)) if a else None
             for a, b in zip(at, nbytes, strict=True)
         ]
 

@@ -273,9 +273,9 @@ static inline __attribute__((always_inline)) void linear_tile(
 /* Where vdpbf16ps runs at half the rate of float32 FMAs (Intel's cores without AMX): W's
  * bfloat16 widened to float32, FMA_CHUNK input pairs of a block at a time, into a buffer L1
  * holds; then each tile of LINEAR_ROWS rows takes that chunk through FMAs, its 6 x 4 sums in
- * registers over the chunk and in `sums` [rows][LINEAR_COLS] between chunks. The widening is paid once a chunk for
- * up to FMA_GROUP rows, where a tile that widened its own W (the vdpbf16ps tile's shape) spent
- * one instruction in five on it. On a 2-core Xeon (family 6, model 207), products of SmolLM2's
+ * registers over the chunk and in `sums` [rows][LINEAR_COLS] between chunks. The widening is
+ * paid once a chunk for up to FMA_GROUP rows, where a tile that widened its own W (the vdpbf16ps
+ * tile's shape) spent one instruction in five on it. On a 2-core Xeon (family 6, model 207), products of SmolLM2's
  * shapes at 270-390 GFLOP/s, decode steps' 32 rows at the low end (oneDNN's bfloat16 kernels
  * 160-220, its float32 270-410). */
 #define FMA_CHUNK 32
