@@ -19,7 +19,8 @@ typedef struct {
     int64_t num_threads;
 } LoRABinding;
 
-/* A bfloat16 LoRA call's arguments (lora_thread_bf16). */
+/* A bfloat16 LoRA call's arguments (lora_thread_bf16); rows_fetched: the projection before it
+ * brought its rows into cache (linear_lora_bf16). */
 typedef struct {
     const uint16_t *x;
     int64_t x_stride;
@@ -32,6 +33,7 @@ typedef struct {
     const int64_t *slots;
     int64_t r;
     const float *scales;
+    int rows_fetched;
 } LoRACall;
 
 /* The bfloat16 call of `bound` on x [*, fin] and y (rows x_stride, y_stride apart, from row 0) */
@@ -40,7 +42,7 @@ static inline LoRACall lora_call_bf16(const uint16_t *x, int64_t x_stride, uint1
     const LoRACall call = {x + bound->start * x_stride, x_stride, y + bound->start * y_stride,
                            y_stride, bound->end - bound->start, fin, bound->modules, bound->mods,
                            bound->cols, bound->fouts, bound->pool, bound->a_rows, bound->b_rows,
-                           bound->mstride, bound->slots, bound->r, bound->scales};
+                           bound->mstride, bound->slots, bound->r, bound->scales, 0};
     return call;
 }
 
