@@ -129,15 +129,16 @@ static inline __attribute__((always_inline)) void shrink4_bf16(
 }
 
 #if defined(__AVX512BF16__) && !defined(BF16_BY_FMA) && !defined(HAVE_AMX)
-/* In the vdpbf16ps build (AMD's Zen 4 and 5), a decode token (a block of one) whose rows the
- * projection before the call did not fetch reads them one at a time, front to back, the same row
- * of the token next prefetched alongside: two streams from memory, where the blocks' order (the
- * shrink four rows at a time, the expand every row at each 32 columns) keeps 8 to 32 going at
- * once. On a 2-core Zen 5, a call of 32 tokens on 32 q,v adapters, 2 MB of rows from memory:
- * 47 -> 39 us (41 -> 51 GB/s; a streaming read 77 GB/s). With the rows in cache the blocks'
- * order is the faster (15 against 20 us in L1), so a call whose rows its projection fetched
- * keeps it: all-module decode steps 8.26 against 8.75 ms over base. Every result is the bits
- * the block of one gives. */
+/* In the vdpbf16ps build (AMD's Zen 4 and 5), a decode token (a block of one) of a call whose
+ * rows nothing fetched before it (a call on its own: the decode tokens of a step too large for
+ * the native projection) reads them one at a time, front to back, the same row of the token
+ * next prefetched alongside: two streams from memory, where the blocks' order (the shrink four
+ * rows at a time, the expand every row at each 32 columns) keeps 8 to 32 going at once. On a
+ * 2-core Zen 5, a call of 32 tokens on 32 q,v adapters, 2 MB of rows from memory: 47 -> 39 us
+ * (41 -> 51 GB/s; a streaming read 77 GB/s). With the rows in cache the blocks' order is the
+ * faster (in L3 18 against 22 us, in L1 15 against 20 us), so the call after a decode step's
+ * projection, whose rows that projection or one before it fetched, keeps it. Every result is
+ * the bits the block of one gives. */
 #define ROW_BY_ROW 1
 #define ROW_BY_ROW_COLS 16384 /* the widest output so taken: its float32 sums on the stack */
 

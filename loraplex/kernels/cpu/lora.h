@@ -19,8 +19,8 @@ typedef struct {
     int64_t num_threads;
 } LoRABinding;
 
-/* A bfloat16 LoRA call's arguments (lora_thread_bf16); rows_fetched: the projection before it
- * brought its rows into cache (linear_lora_bf16). */
+/* A bfloat16 LoRA call's arguments (lora_thread_bf16); rows_fetched: its rows were brought into
+ * cache before it (the call in linear_lora_bf16, after a decode step's projection). */
 typedef struct {
     const uint16_t *x;
     int64_t x_stride;
