@@ -223,7 +223,7 @@ class Linear:
     ) -> torch.Tensor:
         if lora is not None and not self.native(x):
             raise ValueError("this projection of x does not take a LoRA call")
-        if self._native_takes_all or self.native(x):
+        if lora is not None or self._native_takes_all or self.native(x):
             native, packed, n = self._native, self._native_packed, self.out_features
             return native(x, packed, n, self.bias, fetch, lora)
         if self._packed is not None:

@@ -105,10 +105,14 @@ class CausalLM:
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
         cos, sin = self.rope.lookup(batch.positions)
         x = self._norm(hidden, self.layers[0].input_norm)
+        fetched = False  # whether the layer before brought this layer's q,k,v LoRA rows in
         for index, layer in enumerate(self.layers):
-            attended = self._attention(index, layer, x, batch, kv.layer_cache(index), cos, sin)
+            cache = kv.layer_cache(index)
+            attended = self._attention(index, layer, x, batch, cache, cos, sin, fetched)
             hidden, x = self._add_norm(hidden, attended, layer.post_attention_norm)
-            mlp = self._mlp(index, layer, x, batch)
+            ahead = self._next_qkv_rows(batch, index, layer, x)
+            mlp = self._mlp(index, layer, x, batch, ahead)
+            fetched = ahead is not None
             if index + 1 < len(self.layers):
                 hidden, x = self._add_norm(hidden, mlp, self.layers[index + 1].input_norm)
         rows = batch.logits_indices  # the last add only for the rows that sample
@@ -128,9 +132,9 @@ class CausalLM:
         kv_cache: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        fetched: bool,
     ) -> torch.Tensor:
         c = self.config
-        fetched = index > 0 and self._qkv_rows_fetched_ahead(batch, index - 1)
         qkv = _project(batch, index, self._qkv_modules, x, layer.qkv, fetched=fetched)
         if self._bf16_ops is not None:
             q = self._bf16_ops.rotate_and_write(
@@ -145,26 +149,35 @@ class CausalLM:
         attended = paged_attention(q, kv_cache, batch, self.scale).flatten(1)
         return _project(batch, index, self._o_modules, attended, layer.o)
 
-    def _qkv_rows_fetched_ahead(self, batch: ForwardBatch, index: int) -> bool:
-        """Whether layer index's gate_up projection brings the next layer's q,k,v adapter rows
-        into cache: where it has no LoRA call of its own (adapters on attention only, as q,v
-        adapters are). The q,k,v projection itself is too short to fetch them without slowing
-        (SmolLM2, 32 rows: 2 MB of rows for 32 q,v adapters against its 1 MB of weights), and
-        gate_up, 3x longer, has bandwidth to spare: a decode step on 32 q,v adapters spent
-        1.39-1.61 ms over base with the q,k,v projection fetching, 1.25-1.52 ms with gate_up
-        doing it (12 alternated rounds, lower in each, 2-core Zen 5)."""
+    def _next_qkv_rows(
+        self, batch: ForwardBatch, index: int, layer: Layer, x: torch.Tensor
+    ) -> cpu_lora.Fetch | None:
+        """The next layer's q,k,v adapter rows, for this layer's gate_up projection to bring into
+        cache where it fetches and has no LoRA call of its own (adapters on attention only, as
+        q,v adapters are); else None. The q,k,v projection itself is too short to fetch them
+        without slowing (SmolLM2, 32 rows: 2 MB of rows for 32 q,v adapters against its 1 MB of
+        weights), and gate_up, 3x longer, has bandwidth to spare: a decode step on 32 q,v
+        adapters spent 1.39-1.61 ms over base with the q,k,v projection fetching, 1.25-1.52 ms
+        with gate_up doing it (12 alternated rounds, lower in each, 2-core Zen 5)."""
         lora = batch.lora
-        return (
-            lora is not None
-            and index + 1 < len(self.layers)
-            and lora.plan(index, self._gate_up_modules) is None
-            and lora.plan(index + 1, self._qkv_modules) is not None
-        )
+        if (
+            lora is None
+            or index + 1 == len(self.layers)
+            or not layer.gate_up.fetches(x)
+            or lora.plan(index, self._gate_up_modules) is not None
+            or lora.plan(index + 1, self._qkv_modules) is None
+        ):
+            return None
+        return lora.fetch(index + 1, self._qkv_modules, self.config.hidden_size)
 
-    def _mlp(self, index: int, layer: Layer, x: torch.Tensor, batch: ForwardBatch):
-        ahead = None
-        if layer.gate_up.fetches(x) and self._qkv_rows_fetched_ahead(batch, index):
-            ahead = batch.lora.fetch(index + 1, self._qkv_modules, self.config.hidden_size)
+    def _mlp(
+        self,
+        index: int,
+        layer: Layer,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        ahead: cpu_lora.Fetch | None,
+    ) -> torch.Tensor:
         gate_up = _project(batch, index, self._gate_up_modules, x, layer.gate_up, ahead)
         if self._bf16_ops is not None:
             hidden = self._bf16_ops.silu_mul(gate_up)

@@ -426,9 +426,13 @@ class Fetch:
 
     def __init__(self, at: torch.Tensor, nbytes: torch.Tensor) -> None:
         self.at, self.bytes, self.count = at.contiguous(), nbytes.contiguous(), at.numel()
+        self.pointers = (self.at.data_ptr(), self.bytes.data_ptr(), self.count)
 
     def __bool__(self) -> bool:
         return self.count > 0
+
+
+_NO_FETCH = (None, None, 0)
 
 
 class CpuLinearBf16(_PerDtype):
@@ -485,12 +489,10 @@ class CpuLinearBf16(_PerDtype):
         rows, k = x2.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         if rows:
-            fetched = bool(fetch)
             projection = (
                 x2.data_ptr(), x2.stride(0), rows, k, packed.data_ptr(), n,
                 bias.data_ptr() if bias is not None else None, y.data_ptr(), n,
-                fetch.at.data_ptr() if fetched else None,
-                fetch.bytes.data_ptr() if fetched else None, fetch.count if fetched else 0,
+                *(fetch.pointers if fetch else _NO_FETCH),
             )  # fmt: skip
             if lora is not None and lora.takes(x2, y):
                 status = self._fused[torch.bfloat16](*projection, lora.binding)
