@@ -153,7 +153,8 @@ static inline __attribute__((always_inline)) void shrink_rows(
             const __mmask32 m = tail_mask32(n - k);
             if (later != NULL) __builtin_prefetch(later + k, 0, 3);
             const __m512i xv = _mm512_maskz_loadu_epi16(m, x + k);
-            acc = _mm512_dpbf16_ps(acc, (__m512bh)xv, (__m512bh)_mm512_maskz_loadu_epi16(m, row + k));
+            const __m512i a = _mm512_maskz_loadu_epi16(m, row + k);
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)xv, (__m512bh)a);
         }
         v[j] = _mm512_reduce_add_ps(acc);
     }
@@ -470,7 +471,7 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
     const int64_t *mods = call->mods, *cols = call->cols, *fouts = call->fouts;
     const int64_t *a_rows = call->a_rows, *b_rows = call->b_rows, *slots = call->slots;
     const int64_t last = n * (th + 1) / nt;
-    const int by_rows = !call->rows_fetched; /* decode tokens' rows from memory, or from L3 */
+    const int by_rows = !call->rows_fetched; /* decode tokens' rows come from memory */
 #if defined(HAVE_AMX)
     int64_t work_numel = 0; /* the span buffer, for the widest module */
     for (int64_t i = 0; i < modules; i++)
