@@ -6,7 +6,9 @@ A decode step of 32 sequences has to read every distinct adapter's weights once 
 extra time over a base-only step cannot go below (adapter bytes read) / (memory bandwidth). This
 prints, for 32 sequences decoding together (64 prompt tokens each, then steady decode steps):
 
-* the box's read bandwidth (a sum over a 1 GiB tensor, larger than any cache, all threads);
+* the box's read bandwidth (a sum over a 1 GiB tensor, larger than any cache, all threads),
+  before the steps and after them: on a shared host it can change in between (a 2-core Zen 5
+  VM moved between about 45 and 77 GB/s within minutes), and the floor uses the first;
 * the step time with 32 distinct rank-16 adapters on q,v and on all seven projections, each step
   followed by the same batch with LoRA skipped (its base step); the adapter bytes each step
   reads; the floor they imply; the extra step time over base (median of the pairs' differences)
@@ -174,7 +176,11 @@ def main() -> None:
         f"together; medians over {args.steps} steps with LoRA, each followed by the same batch "
         f"with LoRA skipped (base); rank {args.rank} adapters"
     )
-    print(f"read bandwidth of this box: {bandwidth / 1e9:.1f} GB/s; LoRA backend {backend}")
+    after = read_bandwidth()
+    print(
+        f"read bandwidth of this box: {bandwidth / 1e9:.1f} GB/s before the steps, "
+        f"{after / 1e9:.1f} GB/s after them; LoRA backend {backend}"
+    )
     for name in ("q,v", "all"):
         r, size = results[name], floors[name]
         floor = size / bandwidth
