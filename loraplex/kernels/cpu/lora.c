@@ -134,11 +134,11 @@ static inline __attribute__((always_inline)) void shrink4_bf16(
  * the native projection) reads them one at a time, front to back, the same row of the token
  * next prefetched alongside: two streams from memory, where the blocks' order (the shrink four
  * rows at a time, the expand every row at each 32 columns) keeps 8 to 32 going at once. On a
- * 2-core Zen 5, a call of 32 tokens on 32 q,v adapters, 2 MB of rows from memory: 47 -> 39 us
- * (41 -> 51 GB/s; a streaming read 77 GB/s). With the rows in cache the blocks' order is the
- * faster (in L3 18 against 22 us, in L1 15 against 20 us), so the call after a decode step's
- * projection, whose rows that projection or one before it fetched, keeps it. Every result is
- * the bits the block of one gives. */
+ * 2-core Zen 5, a call of 32 tokens on 32 q,v adapters, 2 MB of rows from memory: 57-60 ->
+ * 49-50 us (33-35 -> 39-40 GB/s; a streaming read 48 GB/s then). With the rows in cache the
+ * blocks' order is the faster (in L3 18 against 22 us, in L1 15 against 20 us), so the call
+ * after a decode step's projection, whose rows that projection or one before it fetched, keeps
+ * it. Every result is the bits the block of one gives. */
 #define ROW_BY_ROW 1
 #define ROW_BY_ROW_COLS 16384 /* the widest output so taken: its float32 sums on the stack */
 
