@@ -467,9 +467,9 @@ int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     if (refused) return refused;
     if (bound->r > MAX_RANK || bound->modules > MAX_MODULES) return 1;
     if (m <= 0 || n <= 0) return 0; /* no rows or columns: nothing to do (nor any LoRA rows) */
-    LoRACall lora = lora_call_bf16(x, x_stride, y, y_stride, k, bound);
-    lora.rows_fetched = 1; /* where it matters (lora.c: ROW_BY_ROW), by this projection or the
-                            * gate_up before it (model.py) */
+    /* its rows fetched, where it matters (lora.c: ROW_BY_ROW), by this projection or the gate_up
+     * before it (model.py) */
+    const LoRACall lora = {x, x_stride, y, y_stride, k, bound, 1};
 #pragma omp parallel num_threads((int)bound->num_threads)
     {
         const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();

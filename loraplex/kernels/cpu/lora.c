@@ -464,12 +464,15 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
  * taken in blocks. A block's arithmetic is each of its tokens' on its own, in the same order:
  * the results do not depend on the blocking. */
 void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
-    const uint16_t *x = call->x, *pool = call->pool;
-    uint16_t *y = call->y;
-    const int64_t x_stride = call->x_stride, y_stride = call->y_stride, n = call->n;
-    const int64_t fin = call->fin, modules = call->modules, mstride = call->mstride, r = call->r;
-    const int64_t *mods = call->mods, *cols = call->cols, *fouts = call->fouts;
-    const int64_t *a_rows = call->a_rows, *b_rows = call->b_rows, *slots = call->slots;
+    const LoRABinding *bound = call->bound;
+    const int64_t x_stride = call->x_stride, y_stride = call->y_stride, fin = call->fin;
+    const uint16_t *x = call->x + bound->start * x_stride, *pool = bound->pool;
+    uint16_t *y = call->y + bound->start * y_stride;
+    const int64_t n = bound->end - bound->start, modules = bound->modules, r = bound->r;
+    const int64_t mstride = bound->mstride, *mods = bound->mods, *cols = bound->cols;
+    const int64_t *fouts = bound->fouts, *a_rows = bound->a_rows, *b_rows = bound->b_rows;
+    const int64_t *slots = bound->slots;
+    const float *scales = bound->scales;
     const int64_t last = n * (th + 1) / nt;
     const int by_rows = !call->rows_fetched; /* decode tokens' rows come from memory */
 #if defined(HAVE_AMX)
@@ -480,7 +483,7 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
     int tiles = amx_takes(fin, r);
 #endif
     for (int64_t t = n * th / nt; t < last;) {
-        const int64_t s = call->slots[t];
+        const int64_t s = slots[t];
 #if defined(HAVE_AMX)
         int64_t len = 1;
         while (tiles && len < AMX_SPAN && t + len < last && slots[t + len] == s) len++;
@@ -494,7 +497,7 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
                 while (t + len < last && slots[t + len] == s) len++;
                 const int64_t blocks = len / AMX_SPAN;
                 lora_span_amx(x, x_stride, y, y_stride, t, blocks, s, fin, modules, mods, cols,
-                              fouts, pool, a_rows, b_rows, mstride, r, call->scales[s], work);
+                              fouts, pool, a_rows, b_rows, mstride, r, scales[s], work);
                 t += blocks * AMX_SPAN;
                 continue;
             }
@@ -504,7 +507,7 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
         while (T < LORA_BLOCK && t + T < last && slots[t + T] == s) T++;
         /* the rows of the thread's next block, unless the same run's */
         const int64_t later = t + T < last && slots[t + T] != s ? slots[t + T] : -1;
-        const float scale = call->scales[s];
+        const float scale = scales[s];
 #define LORA_BLOCK_OF(T_)                                                                      \
     lora_block_bf16(x, x_stride, y, y_stride, t, T_, s, later, fin, modules, mods, cols, fouts, \
                     pool, a_rows, b_rows, mstride, r, scale, by_rows)
@@ -529,7 +532,7 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
 int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
                     int64_t fin, const LoRABinding *bound) {
     if (bound->r > MAX_RANK || bound->modules > MAX_MODULES) return 1;
-    const LoRACall call = lora_call_bf16(x, x_stride, y, y_stride, fin, bound);
+    const LoRACall call = {x, x_stride, y, y_stride, fin, bound, 0};
 #pragma omp parallel num_threads((int)bound->num_threads)
     lora_thread_bf16(&call, omp_get_thread_num(), omp_get_num_threads());
     return 0;

@@ -19,32 +19,17 @@ typedef struct {
     int64_t num_threads;
 } LoRABinding;
 
-/* A bfloat16 LoRA call's arguments (lora_thread_bf16); rows_fetched: its rows were brought into
- * cache before it (the call in linear_lora_bf16, after a decode step's projection). */
+/* A bfloat16 LoRA call (lora_thread_bf16): the call `bound` on x [*, fin] and y, rows x_stride
+ * and y_stride apart from row 0; rows_fetched: its rows were brought into cache before it (the
+ * call in linear_lora_bf16, after a decode step's projection). */
 typedef struct {
     const uint16_t *x;
     int64_t x_stride;
     uint16_t *y;
-    int64_t y_stride, n, fin, modules;
-    const int64_t *mods, *cols, *fouts;
-    const uint16_t *pool;
-    const int64_t *a_rows, *b_rows;
-    int64_t mstride;
-    const int64_t *slots;
-    int64_t r;
-    const float *scales;
+    int64_t y_stride, fin;
+    const LoRABinding *bound;
     int rows_fetched;
 } LoRACall;
-
-/* The bfloat16 call of `bound` on x [*, fin] and y (rows x_stride, y_stride apart, from row 0) */
-static inline LoRACall lora_call_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y,
-                                      int64_t y_stride, int64_t fin, const LoRABinding *bound) {
-    const LoRACall call = {x + bound->start * x_stride, x_stride, y + bound->start * y_stride,
-                           y_stride, bound->end - bound->start, fin, bound->modules, bound->mods,
-                           bound->cols, bound->fouts, bound->pool, bound->a_rows, bound->b_rows,
-                           bound->mstride, bound->slots, bound->r, bound->scales, 0};
-    return call;
-}
 
 /* Thread th of nt's share of a call (lora_apply_bf16 runs it on each thread of its team). */
 __attribute__((visibility("hidden"))) void lora_thread_bf16(const LoRACall *call, int64_t th,
