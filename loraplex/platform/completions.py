@@ -212,8 +212,14 @@ def legacy_logprobs(
 # -- SSE -------------------------------------------------------------------------------------
 
 
+# JSON leaves these unescaped in strings, but str.splitlines() breaks lines at them, and so does
+# httpx's `aiter_lines()`, a common way to read a stream: a chunk whose text held one would reach
+# such a client cut in two. Escaped, the JSON means the same.
+_RAW_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(model) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
+    return f"data: {model.model_dump_json().translate(_RAW_LINE_BREAKS)}\n\n"
 
 
 def sse_error(error: APIError) -> str:

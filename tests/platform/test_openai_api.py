@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 
@@ -152,6 +153,19 @@ def test_legacy_completions_equal_the_engine(server, tenants, offline, adapter_r
     assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
     echoed = sync.completions.create(model="llama", prompt="the river", max_tokens=3, echo=True)
     assert echoed.choices[0].text.startswith("the river")
+
+
+def test_a_stream_read_line_by_line_keeps_text_with_unicode_line_breaks(server, tenants):
+    """httpx's `aiter_lines()` (like str.splitlines) also ends a line at U+0085, U+2028 and
+    U+2029, which JSON leaves raw in strings: each chunk must still arrive as one line."""
+    prompt = "one\u2028two\x85three\u2029four"
+    body = {"model": "llama", "prompt": prompt, "max_tokens": 4, "echo": True, "stream": True}
+    headers = {"Authorization": f"Bearer {tenants['a']}"}
+    with httpx.stream("POST", f"{server.api}/completions", json=body, headers=headers) as reply:
+        events = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+    assert reply.status_code == 200 and events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text.startswith(prompt) and len(text) > len(prompt)
 
 
 def test_sampling_fields_are_honoured(server, tenants, offline):

@@ -13,6 +13,17 @@ from collections import Counter
 import httpx
 import pytest
 import schemathesis
+
+# Schemathesis imports most of itself on first use, and pytest rewrites the asserts of a plugin's
+# modules as it imports them (ast.parse). Mid-test, one such parse failed in CI with CPython
+# 3.11's "AST constructor recursion depth mismatch": its AST state is shared, and a garbage
+# collection inside the parse can run code that parses again. Loaded here, at collection.
+import schemathesis.specs.openapi._hypothesis
+import schemathesis.specs.openapi.coverage
+import schemathesis.specs.openapi.negative
+import schemathesis.specs.openapi.schemas
+import schemathesis.specs.openapi.stateful
+import schemathesis.transport.requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
