@@ -166,6 +166,9 @@ class AdapterManager:
         (so in the host cache), so that loading it on the engine thread is one copy. Safe from
         any thread: the engine packs an adapter when a request for it arrives."""
         key = (self.pool.page_numel, self.pool.data.dtype)
+        packed = weights.packed.get(key)
+        if packed is not None:  # the engine thread's case: never waits on another's packing
+            return packed
         with self._packing:
             packed = weights.packed.get(key)
             if packed is None:

@@ -145,14 +145,20 @@ def _read_tensors(
             f"{path} is not a readable safetensors file (corrupt or truncated?): {error}",
             code=ErrorCode.ADAPTER_CORRUPT,
         ) from None
+    served: list[tuple[str, torch.Tensor]] = []
     for name, raw in sorted(tensors.items()):
         layer, module, kind = _parse_name(name, model, config)
-        tensor = _served(name, raw, dtype)
-        _check_shape(name, tensor, model, module, kind)
-        if kind == "A":
-            a[(layer, module)] = tensor.contiguous()
-        else:
-            b[(layer, module)] = tensor.t().contiguous()
+        if not raw.is_floating_point():
+            raise AdapterError(
+                f"adapter tensor {name} holds {raw.dtype} values; LoRA weights are floats",
+                code=ErrorCode.ADAPTER_CORRUPT,
+            )
+        _check_shape(name, raw, model, module, kind)
+        # B transposed and converted in one copy; A converted (no copy if the dtypes match)
+        tensor = (raw if kind == "A" else raw.t()).to(dtype, memory_format=torch.contiguous_format)
+        (a if kind == "A" else b)[(layer, module)] = tensor
+        served.append((name, tensor))
+    _check_finite(served, dtype)
     if not a:
         raise AdapterError(f"{path} holds no LoRA weights", code=ErrorCode.ADAPTER_CORRUPT)
     if a.keys() != b.keys():
@@ -164,23 +170,21 @@ def _read_tensors(
     return a, b
 
 
-def _served(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor in the serving dtype, refused unless every value is a finite float there."""
-    if not tensor.is_floating_point():
-        raise AdapterError(
-            f"adapter tensor {name} holds {tensor.dtype} values; LoRA weights are floats",
-            code=ErrorCode.ADAPTER_CORRUPT,
-        )
-    served = tensor.to(dtype)
-    # a NaN or infinity makes the sum so: one reduction (5 us) in place of isfinite and all (23
-    # us, for 240 tensors an adapter); a sum that overflows is checked element by element
-    if not torch.isfinite(served.sum()) and not torch.isfinite(served).all():
-        raise AdapterError(
-            f"adapter tensor {name} holds NaN or infinite values "
-            f"(in the serving dtype, {str(dtype).removeprefix('torch.')})",
-            code=ErrorCode.ADAPTER_CORRUPT,
-        )
-    return served
+def _check_finite(served: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+    """Refuse the adapter unless every value is a finite float in the serving dtype. A NaN or
+    infinity makes a tensor's sum so: one reduction a tensor and one check for them all (a check
+    a tensor cost 1.3 ms of an adapter's read); a sum that overflows is checked element by
+    element."""
+    sums = torch.stack([tensor.sum() for _, tensor in served])
+    if bool(sums.isfinite().all()):
+        return
+    for (name, tensor), total in zip(served, sums, strict=True):
+        if not torch.isfinite(total) and not torch.isfinite(tensor).all():
+            raise AdapterError(
+                f"adapter tensor {name} holds NaN or infinite values "
+                f"(in the serving dtype, {str(dtype).removeprefix('torch.')})",
+                code=ErrorCode.ADAPTER_CORRUPT,
+            )
 
 
 def _parse_name(name: str, model: ModelConfig, config: AdapterConfig) -> tuple[int, str, str]:
