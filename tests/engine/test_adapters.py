@@ -104,6 +104,8 @@ def corrupt(src, dst, how):
         weights.write_bytes(b"\x00\x13not a safetensors file at all" * 10)
     elif how == "truncated":
         weights.write_bytes(data[: len(data) // 2])
+    elif how == "empty":
+        save_file({}, weights)
     return dst
 
 
@@ -132,6 +134,7 @@ def bad_adapters(tiny_llama, tiny_adapters, tmp_path):
             corrupt(good, tmp_path / "truncated", "truncated"),
             "not a readable safetensors file",
         ),
+        "empty": (corrupt(good, tmp_path / "empty", "empty"), "holds no LoRA weights"),
         "NaN": (
             with_values(good, tmp_path / "nan", 0.5, float("nan")),
             "lora_B.weight holds NaN or infinite values",

@@ -158,7 +158,6 @@ def _read_tensors(
         tensor = (raw if kind == "A" else raw.t()).to(dtype, memory_format=torch.contiguous_format)
         (a if kind == "A" else b)[(layer, module)] = tensor
         served.append((name, tensor))
-    _check_finite(served, dtype)
     if not a:
         raise AdapterError(f"{path} holds no LoRA weights", code=ErrorCode.ADAPTER_CORRUPT)
     if a.keys() != b.keys():
@@ -167,6 +166,7 @@ def _read_tensors(
             f"layer {missing[0]} {missing[1]} has only one of lora_A / lora_B",
             code=ErrorCode.ADAPTER_CORRUPT,
         )
+    _check_finite(served, dtype)
     return a, b
 
 
