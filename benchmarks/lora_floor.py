@@ -14,6 +14,8 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
   reads; the floor they imply; the extra step time over base (median of the pairs' differences)
   as a multiple of that floor (target <= 1.25x for all-module) and the q,v batch's
   throughput against base (target >= 0.95x);
+* where the engine chose, by timing steps after a warm-up long enough for it, to fetch the q,v
+  adapters' rows into cache (where the build fetches: fetch_placement.py);
 * the same batches with each CPU LoRA strategy forced: *native* (the C kernel in
   kernels/cpu/lora.c, reading every decode token's rows in place; the default where it
   builds), and the torch path's two, *gathered* (every decode token's adapter rows copied into
@@ -123,6 +125,7 @@ def main() -> None:
     from loraplex import LLM, LoRARequest
     from loraplex.engine.adapters.peft_format import random_peft_adapter
     from loraplex.engine.default_model import resolve_model
+    from loraplex.engine.fetch_placement import PAIRS as FETCH_PAIRS
 
     bandwidth = read_bandwidth()
     model_dir = resolve_model(args.model)
@@ -146,7 +149,10 @@ def main() -> None:
         for name, modules in (("q,v", QV), ("all", ALL)):
             llm, loras = engine_with(modules, n, tmp)
             prompts = make_prompts(llm.tokenizer, n, 64)
-            decode_steps(llm.engine, prompts[:4], loras[:4], 4, switch)  # warm up
+            # warm up, and past the engine's first timing of where to fetch q,k,v rows
+            decode_steps(llm.engine, prompts, loras, 2 * FETCH_PAIRS + 2, switch)
+            if name == "q,v":
+                placement = llm.engine.runner.model.fetch_placement.ahead
             floors[name] = adapter_bytes(llm.engine)
             runner = llm.engine.runner
             default, settings = lora_batch.GROUP_MIN_TOKENS, runner.settings
@@ -190,6 +196,9 @@ def main() -> None:
             f"adapter bytes per step {size / 2**20:6.1f} MiB; floor {floor * 1e3:5.2f} ms; "
             f"extra over base {r.extra * 1e3:6.2f} ms = {r.extra / floor:.2f}x floor"
         )
+    if backend == "native":
+        where = "the layer before's gate_up" if placement else "the q,k,v projection itself"
+        print(f"q,v rows fetched (where the build fetches) by {where}: the engine's timed choice")
     print("targets: q,v throughput >= 0.95x base; all-module extra <= 1.25x floor")
     print("strategies (adapters x tokens per adapter): step, base step, extra")
     for key, r in results.items():

@@ -6,6 +6,7 @@ SwiGLU MLP, optionally tied embeddings.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.device import Linear, choose_bf16_ops, native_lm_head
+from loraplex.engine.fetch_placement import FetchPlacement
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.rope import RotaryEmbedding
@@ -79,6 +81,7 @@ class CausalLM:
         self._o_modules = (("o_proj", 0, c.hidden_size),)
         self._gate_up_modules = (("gate_proj", 0, inter), ("up_proj", inter, inter))
         self._down_modules = (("down_proj", 0, c.hidden_size),)
+        self.fetch_placement = FetchPlacement()
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._bf16_ops is not None:
@@ -102,21 +105,28 @@ class CausalLM:
 
         Each layer's residual adds go with the norm that follows them (the next layer's input
         norm after the MLP), so the bfloat16 path makes one pass of each add and norm."""
+        started = time.perf_counter()
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
         cos, sin = self.rope.lookup(batch.positions)
         x = self._norm(hidden, self.layers[0].input_norm)
+        # whether gate_up may fetch the next layer's q,k,v rows: timed, see fetch_placement.py
+        placed = self._next_qkv_rows(batch, 0, self.layers[0], x) is not None
+        fetch_ahead = self.fetch_placement.choose() if placed else True
         fetched = False  # whether the layer before brought this layer's q,k,v LoRA rows in
         for index, layer in enumerate(self.layers):
             cache = kv.layer_cache(index)
             attended = self._attention(index, layer, x, batch, cache, cos, sin, fetched)
             hidden, x = self._add_norm(hidden, attended, layer.post_attention_norm)
-            ahead = self._next_qkv_rows(batch, index, layer, x)
+            ahead = self._next_qkv_rows(batch, index, layer, x) if fetch_ahead else None
             mlp = self._mlp(index, layer, x, batch, ahead)
             fetched = ahead is not None
             if index + 1 < len(self.layers):
                 hidden, x = self._add_norm(hidden, mlp, self.layers[index + 1].input_norm)
         rows = batch.logits_indices  # the last add only for the rows that sample
-        return self._norm(hidden[rows] + mlp[rows], self.final_norm)
+        out = self._norm(hidden[rows] + mlp[rows], self.final_norm)
+        if placed:
+            self.fetch_placement.record(fetch_ahead, x.shape[0], time.perf_counter() - started)
+        return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -154,11 +164,8 @@ class CausalLM:
     ) -> cpu_lora.Fetch | None:
         """The next layer's q,k,v adapter rows, for this layer's gate_up projection to bring into
         cache where it fetches and has no LoRA call of its own (adapters on attention only, as
-        q,v adapters are); else None. The q,k,v projection itself is too short to fetch them
-        without slowing (SmolLM2, 32 rows: 2 MB of rows for 32 q,v adapters against its 1 MB of
-        weights), and gate_up, 3x longer, has bandwidth to spare: a decode step on 32 q,v
-        adapters spent 1.39-1.61 ms over base with the q,k,v projection fetching, 1.25-1.52 ms
-        with gate_up doing it (12 alternated rounds, lower in each, 2-core Zen 5)."""
+        q,v adapters are); else None. Whether gate_up or the q,k,v projection itself is the
+        faster to fetch them depends on the CPU, so forward times both (fetch_placement.py)."""
         lora = batch.lora
         if (
             lora is None
