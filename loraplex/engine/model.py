@@ -109,22 +109,28 @@ class CausalLM:
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
         cos, sin = self.rope.lookup(batch.positions)
         x = self._norm(hidden, self.layers[0].input_norm)
-        # whether gate_up may fetch the next layer's q,k,v rows: timed, see fetch_placement.py
-        placed = self._next_qkv_rows(batch, 0, self.layers[0], x) is not None
-        fetch_ahead = self.fetch_placement.choose() if placed else True
+        # where gate_up may fetch the next layer's q,k,v rows, whether it does or each q,k,v
+        # projection fetches its own is timed (fetch_placement.py)
+        first = self._next_qkv_rows(batch, 0, self.layers[0], x)
+        fetch_ahead = first is None or self.fetch_placement.choose()
         fetched = False  # whether the layer before brought this layer's q,k,v LoRA rows in
         for index, layer in enumerate(self.layers):
             cache = kv.layer_cache(index)
             attended = self._attention(index, layer, x, batch, cache, cos, sin, fetched)
             hidden, x = self._add_norm(hidden, attended, layer.post_attention_norm)
-            ahead = self._next_qkv_rows(batch, index, layer, x) if fetch_ahead else None
+            if not fetch_ahead:
+                ahead = None
+            elif index == 0:
+                ahead = first  # the rows do not depend on x's values, only on its shape
+            else:
+                ahead = self._next_qkv_rows(batch, index, layer, x)
             mlp = self._mlp(index, layer, x, batch, ahead)
             fetched = ahead is not None
             if index + 1 < len(self.layers):
                 hidden, x = self._add_norm(hidden, mlp, self.layers[index + 1].input_norm)
         rows = batch.logits_indices  # the last add only for the rows that sample
         out = self._norm(hidden[rows] + mlp[rows], self.final_norm)
-        if placed:
+        if first is not None:
             self.fetch_placement.record(fetch_ahead, x.shape[0], time.perf_counter() - started)
         return out
 
