@@ -191,7 +191,7 @@ class Linear:
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, decode_kernel: bool = True
     ) -> None:
         self.bias = bias.contiguous() if bias is not None else None
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self._packed = None
         self._native = choose_linear_bf16(weight) if decode_kernel else None
         self._native_packed = self._native.pack(weight) if self._native is not None else None
@@ -206,14 +206,22 @@ class Linear:
 
     def native(self, x: torch.Tensor) -> bool:
         """Whether the product of x goes through the native projection."""
-        if self._native is None or x.dim() != 2:
+        return x.dim() == 2 and self.native_rows(x.shape[0])
+
+    def native_rows(self, rows: int) -> bool:
+        """Whether the product of a 2-D input of `rows` rows goes through the native projection."""
+        if self._native is None:
             return False
-        return x.shape[0] <= NATIVE_LINEAR_MAX_ROWS or self._native_takes_all
+        return rows <= NATIVE_LINEAR_MAX_ROWS or self._native_takes_all
 
     def fetches(self, x: torch.Tensor) -> bool:
         """Whether the product of x takes a `fetch` (the native projection, where it fetches,
         of a decode step's rows: a prompt span reads its rows from cache after its first token)."""
-        return self.native(x) and self._native.fetches and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS
+        return x.dim() == 2 and self.fetches_rows(x.shape[0])
+
+    def fetches_rows(self, rows: int) -> bool:
+        """Whether the product of a 2-D input of `rows` rows takes a `fetch`."""
+        return self.native_rows(rows) and self._native.fetches and rows <= NATIVE_LINEAR_MAX_ROWS
 
     def __call__(
         self,
