@@ -67,15 +67,20 @@ int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
  * exact products, float32 sums), but in the build for CPUs that run it at half their FMA rate
  * (BF16_BY_FMA: prompt spans' LoRA calls 23.2 against 21.5 ms a step on a 2-core Xeon, decode
  * level). The shrink takes four A rows at a time, sharing each load of x.
- * While a thread works on a token it prefetches, into L2 and at the same pace, the rows of the
- * token it takes next; without that every row of every token started with a wait on memory.
+ * While a thread works on a token it prefetches, at the same pace, the rows of the token it
+ * takes next; without that every row of every token started with a wait on memory.
  * Measured on a 2-core Zen 4 (30 layers, 32 tokens on 32 all-module rank-16 adapters, 298 MiB
  * of rows a step, 33 GB/s of read bandwidth): 21.8 ms a step with the float32-chunk loops this
- * replaces, 17.3 ms with these loops, 12.8 ms with the prefetch. A prefill span's tokens go
+ * replaces, 17.3 ms with these loops, 12.8 ms with the prefetch (into L2). Into L1 (AHEAD_HINT)
+ * on a 2-core Zen 5, a call of 32 tokens on 32 q,v adapters after a decode step's projection:
+ * with its rows in L3, 27-29 -> 21-24 us; from memory, 41 -> 34-36 us (medians of 300 calls,
+ * alternated builds). A prefill span's tokens go
  * LORA_BLOCK at a time, each row loaded once for them (all 120 calls of a prefill step of 4
  * prompts of 64 tokens on 4 all-module adapters, 2-core Xeon: 25.8 ms token by token, 23.1 ms
  * in blocks; the products, not the reads, bound it there). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define AHEAD_HINT 3 /* __builtin_prefetch's locality for the next block's rows: into L1 */
+
 /* A block: up to LORA_BLOCK consecutive tokens of one run (a prefill span), which share their
  * adapter rows: each row is read once for all of them. Decode tokens are blocks of one. */
 #if defined(__AVX512BF16__)
@@ -104,7 +109,7 @@ static inline __attribute__((always_inline)) void shrink4_bf16(
         __m512i xv[LORA_BLOCK];
         for (int i = 0; i < T; i++) xv[i] = _mm512_maskz_loadu_epi16(m, x + i * x_stride + k);
         for (int j = 0; j < 4; j++) {
-            if (ahead != NULL) __builtin_prefetch(ahead[j] + k, 0, 2);
+            if (ahead != NULL) __builtin_prefetch(ahead[j] + k, 0, AHEAD_HINT);
             const __m512i a = _mm512_maskz_loadu_epi16(m, rows[j] + k);
             for (int i = 0; i < T; i++) {
 #if defined(BF16_BY_FMA)
@@ -151,7 +156,7 @@ static inline __attribute__((always_inline)) void shrink_rows(
         __m512 acc = _mm512_setzero_ps();
         for (int64_t k = 0; k < n; k += 32) {
             const __mmask32 m = tail_mask32(n - k);
-            if (later != NULL) __builtin_prefetch(later + k, 0, 3);
+            if (later != NULL) __builtin_prefetch(later + k, 0, AHEAD_HINT);
             const __m512i xv = _mm512_maskz_loadu_epi16(m, x + k);
             const __m512i a = _mm512_maskz_loadu_epi16(m, row + k);
             acc = _mm512_dpbf16_ps(acc, (__m512bh)xv, (__m512bh)a);
@@ -178,7 +183,7 @@ static inline __attribute__((always_inline)) void expand_rows(
         const uint16_t *row = pool + rows[j], *later = ahead != NULL ? pool + ahead[j] : NULL;
         const __m512 vj = _mm512_set1_ps(v[j]);
         for (int64_t c = 0; c < chunks; c++) {
-            if (later != NULL) __builtin_prefetch(later + 32 * c, 0, 3);
+            if (later != NULL) __builtin_prefetch(later + 32 * c, 0, AHEAD_HINT);
             const __m512i b = _mm512_maskz_loadu_epi16(tail_mask32(n - 32 * c), row + 32 * c);
             float *e = even + 16 * c, *o = odd + 16 * c;
             _mm512_store_ps(e, _mm512_fmadd_ps(vj, bf16_even(b), _mm512_load_ps(e)));
@@ -241,7 +246,7 @@ static inline __attribute__((always_inline)) void expand_block(
             even[i] = bf16_even(yv), odd[i] = bf16_odd(yv);
         }
         for (int64_t j = 0; j < r; j++) {
-            if (ahead != NULL) __builtin_prefetch(pool + ahead[j] + k, 0, 2);
+            if (ahead != NULL) __builtin_prefetch(pool + ahead[j] + k, 0, AHEAD_HINT);
             const __m512i b = _mm512_maskz_loadu_epi16(m, pool + rows[j] + k);
             const __m512 be = bf16_even(b), bo = bf16_odd(b);
             for (int i = 0; i < T; i++) {
