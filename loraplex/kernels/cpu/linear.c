@@ -388,8 +388,13 @@ static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
  * follows, in the order of its tokens: a decode step's dense products are bound by arithmetic
  * and leave most of the memory bandwidth unused, and the LoRA kernel, which is bound by memory,
  * then finds its rows in cache (each thread the rows of the tokens it takes, the kernel
- * splitting tokens in halves as this splits ranges). */
-static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
+ * splitting tokens in halves as this splits ranges).
+ *
+ * With `lora` (the fused call's LoRA in two passes, lora.c), the thread's shrinks go between
+ * its items, as evenly. */
+#define LINEAR_SHRINKS
+static void linear_thread_shrinking(const LinearCall *call, int64_t t, int64_t nt,
+                                    LoRAPasses *lora) {
     const uint16_t *x = call->x, *packed = call->packed, *bias = call->bias;
     const int64_t x_stride = call->x_stride, m = call->m, k = call->k, n = call->n;
     const int64_t blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
@@ -419,7 +424,16 @@ static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
         case 2: linear_tile(xr, x_stride, 2, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
         default: linear_tile(xr, x_stride, 1, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra);
         }
+        if (lora != NULL)
+            while (lora->shrunk < lora->blocks * (item - first + 1) / (last - first))
+                lora_shrink_next(lora);
     }
+    if (lora != NULL)
+        while (lora->shrunk < lora->blocks) lora_shrink_next(lora); /* a thread without items */
+}
+
+static void linear_thread(const LinearCall *call, int64_t t, int64_t nt) {
+    linear_thread_shrinking(call, t, nt, NULL);
 }
 
 #endif /* BF16_BY_FMA */
@@ -473,9 +487,20 @@ int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
 #pragma omp parallel num_threads((int)bound->num_threads)
     {
         const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();
+#if defined(LINEAR_SHRINKS)
+        LoRAPasses passes;
+        const int split = lora_passes_begin(&passes, &lora, th, nt);
+        linear_thread_shrinking(&linear, th, nt, split ? &passes : NULL);
+#pragma omp barrier
+        if (split)
+            lora_expands(&passes);
+        else
+            lora_thread_bf16(&lora, th, nt);
+#else
         linear_thread(&linear, th, nt);
 #pragma omp barrier
         lora_thread_bf16(&lora, th, nt);
+#endif
     }
     return 0;
 }

@@ -35,4 +35,21 @@ typedef struct {
 __attribute__((visibility("hidden"))) void lora_thread_bf16(const LoRACall *call, int64_t th,
                                                             int64_t nt);
 
+/* Thread th of nt's share of a call in two passes (lora_passes_begin, lora.c): the shrinks,
+ * block after block (lora_shrink_next; `shrunk` of `blocks` done), then the expands
+ * (lora_expands). Not in the AMX build. */
+typedef struct {
+    const LoRACall *call;
+    int64_t first, last; /* the thread's tokens */
+    int64_t next;        /* the first token of the next block to shrink */
+    int64_t blocks, shrunk;
+    float *v; /* each token's shrink results, scaled: [token][module][r] */
+} LoRAPasses;
+
+/* 0 if the thread cannot take its share in passes (no memory for v). */
+__attribute__((visibility("hidden"))) int lora_passes_begin(LoRAPasses *p, const LoRACall *call,
+                                                            int64_t th, int64_t nt);
+__attribute__((visibility("hidden"))) void lora_shrink_next(LoRAPasses *p);
+__attribute__((visibility("hidden"))) void lora_expands(LoRAPasses *p);
+
 #endif
