@@ -295,34 +295,34 @@ static void expand_block(uint16_t *y, int64_t y_stride, const int T, float v[][M
 }
 #endif
 
+/* The offsets of run s's rows of output i in a row table (a_rows or b_rows); NULL for s < 0 */
+static inline const int64_t *run_rows(const LoRABinding *bound, const int64_t *table, int64_t i,
+                                      int64_t s) {
+    return s < 0 ? NULL : table + bound->mods[i] * bound->mstride + s * bound->r;
+}
+
 /* Module i of a block of T tokens from token t on (run s): the shrink (v, scaled), and the
  * expand into y; the rows of run `later` (-1: none) prefetched meanwhile; a block of one row by
  * row where the build does so (ROW_BY_ROW) and the call's rows were not fetched before it. */
 static inline __attribute__((always_inline)) void module_shrink(
     const LoRACall *call, int64_t i, int64_t t, const int T, int64_t s, int64_t later,
     float v[][MAX_RANK]) {
-    const LoRABinding *bound = call->bound;
-    const int64_t r = bound->r, mstride = bound->mstride, mod = bound->mods[i];
-    const int64_t *a_rows = bound->a_rows;
-    const uint16_t *x = call->x + (bound->start + t) * call->x_stride;
-    shrink_block(x, call->x_stride, T, bound->pool, a_rows + mod * mstride + s * r,
-                 later < 0 ? NULL : a_rows + mod * mstride + later * r, r, call->fin, v,
-                 !call->rows_fetched);
-    const float scale = bound->scales[s];
-    for (int b = 0; b < T; b++)
-        for (int64_t j = 0; j < r; j++) v[b][j] *= scale;
+    const LoRABinding *b = call->bound;
+    shrink_block(call->x + (b->start + t) * call->x_stride, call->x_stride, T, b->pool,
+                 run_rows(b, b->a_rows, i, s), run_rows(b, b->a_rows, i, later), b->r, call->fin,
+                 v, !call->rows_fetched);
+    const float scale = b->scales[s];
+    for (int u = 0; u < T; u++)
+        for (int64_t j = 0; j < b->r; j++) v[u][j] *= scale;
 }
 
 static inline __attribute__((always_inline)) void module_expand(
     const LoRACall *call, int64_t i, int64_t t, const int T, int64_t s, int64_t later,
     float v[][MAX_RANK]) {
-    const LoRABinding *bound = call->bound;
-    const int64_t r = bound->r, mstride = bound->mstride, mod = bound->mods[i];
-    const int64_t *b_rows = bound->b_rows;
-    uint16_t *y = call->y + (bound->start + t) * call->y_stride + bound->cols[i];
-    expand_block(y, call->y_stride, T, v, bound->pool, b_rows + mod * mstride + s * r,
-                 later < 0 ? NULL : b_rows + mod * mstride + later * r, r, bound->fouts[i],
-                 !call->rows_fetched);
+    const LoRABinding *b = call->bound;
+    expand_block(call->y + (b->start + t) * call->y_stride + b->cols[i], call->y_stride, T, v,
+                 b->pool, run_rows(b, b->b_rows, i, s), run_rows(b, b->b_rows, i, later), b->r,
+                 b->fouts[i], !call->rows_fetched);
 }
 
 /* One block of T tokens from token t on (run s), every module in turn. */
