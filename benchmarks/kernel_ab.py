@@ -1,0 +1,174 @@
+"""Two builds of the CPU kernels compared in one process, decode step by decode step.
+
+    python benchmarks/kernel_ab.py --against REV [--modules qv|all] [--dtype bfloat16|float32]
+
+Builds the kernels' C sources as they are at git revision REV into a library of its own beside
+the working tree's, then runs 32 sequences decoding together on 32 distinct rank-16 adapters
+(SmolLM2, 64-token prompts). Each round takes a base-only step and one step with each build's
+LoRA calls (the native projection's fused call, and every LoRA call made apart), the two builds'
+order alternating, and it prints the medians of each build's extra over base and the median of
+the paired differences. Only the LoRA calls change between the builds; the projections,
+attention and the rest are the working tree's in both.
+
+On a shared host whose speed drifts from minute to minute (a 2-core Zen 5 VM read 46 to 80
+GB/s within the hour), whole benchmark runs of one build after the other differ by more than
+the changes they are meant to measure; steps alternated in one process do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from engine_throughput import make_prompts
+from lora_floor import ALL, QV, LoRASwitch
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = "loraplex/kernels/cpu"
+
+
+def build_at(revision: str, folder: Path) -> ctypes.CDLL:
+    """The kernels' library built from their sources at `revision`, with this machine's flags."""
+    from loraplex.kernels import cpu_lora
+
+    listing = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{revision}:{KERNELS}"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for name in listing:
+        source = subprocess.run(
+            ["git", "show", f"{revision}:{KERNELS}/{name}"],
+            cwd=ROOT, capture_output=True, check=True,
+        ).stdout  # fmt: skip
+        (folder / name).write_bytes(source)
+    target = folder / "kernels.so"
+    sources = sorted(str(folder / name) for name in listing if name.endswith(".c"))
+    compiler = cpu_lora._compiler()
+    subprocess.run([compiler, *cpu_lora.build_flags(), *sources, "-o", str(target)], check=True)
+    return ctypes.CDLL(str(target))
+
+
+class LoRACalls:
+    """One build's LoRA functions, put in place of the engine's for a step: the native
+    projection's fused call (bfloat16) and the function of every bound LoRA call."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        from loraplex.kernels import cpu_lora
+
+        suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
+        self.lora = getattr(lib, f"lora_apply_{suffix}")
+        self.lora.argtypes, self.lora.restype = cpu_lora._ARGTYPES, ctypes.c_int
+        linear = cpu_lora.load_linear()
+        self.fused = None
+        if dtype == torch.bfloat16 and linear is not None and linear._fused:
+            fused = lib.linear_lora_bf16
+            fused.argtypes = linear._fused[torch.bfloat16].argtypes
+            fused.restype = ctypes.c_int
+            self.fused = {torch.bfloat16: fused}
+
+    @classmethod
+    def engine(cls, model, dtype: torch.dtype) -> LoRACalls:
+        """The engine's own functions (the working tree's build)."""
+        from loraplex.kernels import cpu_lora
+
+        calls = cls.__new__(cls)
+        bound = _bound_calls(model)
+        calls.lora = bound[0]._function if bound else None
+        linear = cpu_lora.load_linear()
+        calls.fused = dict(linear._fused) if linear is not None and linear._fused else None
+        return calls
+
+    def use(self, model) -> None:
+        from loraplex.kernels import cpu_lora
+
+        for call in _bound_calls(model):
+            call._function = self.lora
+        if self.fused is not None:
+            cpu_lora.load_linear()._fused = self.fused
+
+
+def _bound_calls(model) -> list:
+    """Every native LoRA call of the batch the model last ran (its per-layer steps)."""
+    from loraplex.kernels import cpu_lora
+
+    calls = []
+    for layer in model._steps[2] if model._steps else []:
+        for step in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if step.plan is not None:
+                calls += [c for c in step.plan.calls if isinstance(c, cpu_lora.BoundLoRA)]
+    return calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--against", required=True, help="git revision of the other build")
+    parser.add_argument("--modules", choices=("qv", "all"), default="qv")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=120)
+    parser.add_argument("--sequences", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+
+    from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex.engine.adapters.peft_format import random_peft_adapter
+    from loraplex.engine.default_model import resolve_model
+
+    n, modules = args.sequences, QV if args.modules == "qv" else ALL
+    with tempfile.TemporaryDirectory() as tmp:
+        other = build_at(args.against, Path(tmp))
+        llm = LLM(model=str(resolve_model("default")), dtype=args.dtype)
+        engine, dtype = llm.engine, getattr(torch, args.dtype)
+        loras = []
+        for i in range(n):
+            folder, config = Path(tmp) / f"a{i}", engine.model_config
+            path = random_peft_adapter(folder, config, 16, modules, seed=i)
+            loras.append(LoRARequest(f"a{i}", str(path)))
+            engine.load_adapter(loras[-1])
+        switch = LoRASwitch()
+        warmup = 140  # past the prefills and the model's first timing of where rows are fetched
+        params = SamplingParams(
+            temperature=0.0, max_tokens=warmup + 3 * args.rounds + 8, ignore_eos=True
+        )
+        for prompt, lora in zip(make_prompts(llm.tokenizer, n, 64), loras, strict=True):
+            engine.add_request(engine.make_request(prompt, params, lora=lora))
+        for _ in range(warmup):
+            engine.step()
+        model = engine.runner.model
+        builds = {"working tree": LoRACalls.engine(model, dtype), args.against: None}
+        builds[args.against] = LoRACalls(other, dtype)
+        names = list(builds)
+        times: dict[str, list[float]] = {name: [] for name in ["base", *names]}
+        for i in range(args.rounds):
+            for name in ["base", *(names if i % 2 == 0 else names[::-1])]:
+                switch.on = name != "base"
+                if name != "base":
+                    builds[name].use(model)
+                started = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - started)
+        builds["working tree"].use(model)
+
+    median = statistics.median
+    base = times["base"]
+    print(
+        f"{args.dtype}, {n} sequences on {n} adapters ({args.modules}), {args.rounds} rounds; "
+        f"base step median {median(base) * 1e3:.2f} ms"
+    )
+    for name in names:
+        extra = median(a - b for a, b in zip(times[name], base, strict=True))
+        print(f"  extra over base, {name:14s} {extra * 1e3:7.3f} ms (median of the pairs)")
+    ours, theirs = times["working tree"], times[args.against]
+    paired = median(a - b for a, b in zip(ours, theirs, strict=True))
+    print(f"  working tree - {args.against}: {paired * 1e3:+.3f} ms a step (median of the pairs)")
+
+
+if __name__ == "__main__":
+    main()
