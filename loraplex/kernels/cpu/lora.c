@@ -579,9 +579,10 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
  * output once the threads have met. A shrink's loads of A rows (60% of a q,v call's rows) then
  * wait on memory beside the projection's arithmetic, where the call after the projection had
  * nothing else to do meanwhile. Per block the arithmetic of lora_block_bf16, in the same order:
- * the same bits. Decode steps (in-process, the two builds swapped step by step; paired medians
- * of the extra over base, 2-core Zen 5): 32 q,v adapters 0.35-0.50 ms a step less, 32
- * all-module 1.29 ms less (twice each). Not with AMX's spans, which that build keeps. */
+ * the same bits. Decode steps (in-process, the two builds swapped step by step, as
+ * benchmarks/kernel_ab.py does; paired medians, 2-core Zen 5): 32 q,v adapters 0.33-0.50 ms a
+ * step less in three runs, 32 all-module 1.01-1.29 ms less. Not with AMX's spans, which that
+ * build keeps. */
 int lora_passes_begin(LoRAPasses *p, const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
     const int64_t n = bound->end - bound->start;
