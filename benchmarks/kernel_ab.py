@@ -55,34 +55,36 @@ def build_at(revision: str, folder: Path) -> ctypes.CDLL:
 
 
 class LoRACalls:
-    """One build's LoRA functions, put in place of the engine's for a step: the native
-    projection's fused call (bfloat16) and the function of every bound LoRA call."""
+    """One build's LoRA functions, put in place of the engine's for a step: the function of
+    every bound LoRA call, and the native projection's fused call (bfloat16; else None)."""
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    def __init__(self, lora, fused: dict | None) -> None:
+        self.lora, self.fused = lora, fused
+
+    @classmethod
+    def of_library(cls, lib: ctypes.CDLL, dtype: torch.dtype) -> LoRACalls:
         from loraplex.kernels import cpu_lora
 
         suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
-        self.lora = getattr(lib, f"lora_apply_{suffix}")
-        self.lora.argtypes, self.lora.restype = cpu_lora._ARGTYPES, ctypes.c_int
-        linear = cpu_lora.load_linear()
-        self.fused = None
+        lora = getattr(lib, f"lora_apply_{suffix}")
+        lora.argtypes, lora.restype = cpu_lora._ARGTYPES, ctypes.c_int
+        linear, fused = cpu_lora.load_linear(), None
         if dtype == torch.bfloat16 and linear is not None and linear._fused:
-            fused = lib.linear_lora_bf16
-            fused.argtypes = linear._fused[torch.bfloat16].argtypes
-            fused.restype = ctypes.c_int
-            self.fused = {torch.bfloat16: fused}
+            function = lib.linear_lora_bf16
+            function.argtypes = linear._fused[torch.bfloat16].argtypes
+            function.restype = ctypes.c_int
+            fused = {torch.bfloat16: function}
+        return cls(lora, fused)
 
     @classmethod
-    def engine(cls, model, dtype: torch.dtype) -> LoRACalls:
+    def of_engine(cls, model) -> LoRACalls:
         """The engine's own functions (the working tree's build)."""
         from loraplex.kernels import cpu_lora
 
-        calls = cls.__new__(cls)
         bound = _bound_calls(model)
-        calls.lora = bound[0]._function if bound else None
         linear = cpu_lora.load_linear()
-        calls.fused = dict(linear._fused) if linear is not None and linear._fused else None
-        return calls
+        fused = dict(linear._fused) if linear is not None and linear._fused else None
+        return cls(bound[0]._function if bound else None, fused)
 
     def use(self, model) -> None:
         from loraplex.kernels import cpu_lora
@@ -98,7 +100,7 @@ def _bound_calls(model) -> list:
     from loraplex.kernels import cpu_lora
 
     calls = []
-    for layer in model._steps[2] if model._steps else []:
+    for layer in model._steps[1] if model._steps else []:
         for step in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if step.plan is not None:
                 calls += [c for c in step.plan.calls if isinstance(c, cpu_lora.BoundLoRA)]
@@ -142,8 +144,10 @@ def main() -> None:
         for _ in range(warmup):
             engine.step()
         model = engine.runner.model
-        builds = {"working tree": LoRACalls.engine(model, dtype), args.against: None}
-        builds[args.against] = LoRACalls(other, dtype)
+        builds = {
+            "working tree": LoRACalls.of_engine(model),
+            args.against: LoRACalls.of_library(other, dtype),
+        }
         names = list(builds)
         times: dict[str, list[float]] = {name: [] for name in ["base", *names]}
         for i in range(args.rounds):

@@ -5,8 +5,9 @@ be fetched by the q,k,v projection itself or, where the layer before's gate_up h
 of its own (q,v adapters), by that gate_up (`CausalLM._next_qkv_rows`). Which is faster depends
 on the CPU. On 32 q,v adapters, in extra step time over base, alternated rounds in one process:
 
-* 2-core Zen 5: gate_up ahead lower by about 0.1 ms in each of 12 rounds. Its q,k,v projection
-  is short, and 2 MB of rows on top of its 1 MB of weights slow it;
+* 2-core Zen 5: gate_up ahead lower by about 0.1 ms in each of 12 rounds while the projection
+  made its LoRA call after it; since it makes the shrinks between its own items (lora.c, the
+  two passes), its own fetch is the lower, 1.33 against 1.60 and 1.30 against 1.72 ms;
 * 2-core Zen 4: the projection's own fetch lower, 1.52 against 1.85 ms (7 of 8 rounds), 2.04
   against 2.52 and 2.09 against 2.29 ms in two other runs. Its projections take about twice as
   long (512-bit dot products in two halves), with bandwidth to spare.

@@ -83,8 +83,8 @@ class CausalLM:
         self._gate_up_modules = (("gate_proj", 0, inter), ("up_proj", inter, inter))
         self._down_modules = (("down_proj", 0, c.hidden_size),)
         self.fetch_placement = FetchPlacement()
-        # the last batch's LoRA steps (_lora_steps): its LoRA metadata, rows and the steps
-        self._steps: tuple[StepLoRA, int, list[LayerLoRA]] | None = None
+        # the last batch's LoRA steps (_lora_steps): its LoRA metadata and the steps
+        self._steps: tuple[StepLoRA, list[LayerLoRA]] | None = None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._bf16_ops is not None:
@@ -140,25 +140,32 @@ class CausalLM:
 
     def _lora_steps(self, batch: ForwardBatch, x: torch.Tensor) -> list[LayerLoRA]:
         """What each layer's projections take from the batch's LoRA metadata, decided once for
-        a batch's adapters and rows and kept for every step of an unchanged batch, as the
-        metadata itself is. Decided anew at every projection, the LoRA path's Python cost a
-        decode step on 32 q,v adapters about 0.33 ms over base (2-core Zen 5, 25 ms steps)."""
+        a batch's adapters and kept for every step of an unchanged batch, as the metadata itself
+        is (which also fixes the rows: one adapter entry a token). Decided anew at every
+        projection, the LoRA path's Python cost a decode step on 32 q,v adapters about 0.33 ms
+        over base (2-core Zen 5, 25 ms steps)."""
         lora, rows = batch.lora, x.shape[0]
         if lora is None:
             return self._no_lora
-        if self._steps is not None and self._steps[0] is lora and self._steps[1] == rows:
-            return self._steps[2]
-        steps = []
-        for index, layer in enumerate(self.layers):
-            step = LayerLoRA(
-                qkv=_projection_step(lora, index, self._qkv_modules, rows, layer.qkv),
-                o=_projection_step(lora, index, self._o_modules, rows, layer.o),
-                gate_up=_projection_step(lora, index, self._gate_up_modules, rows, layer.gate_up),
-                down=_projection_step(lora, index, self._down_modules, rows, layer.down),
-                ahead=self._next_qkv_rows(lora, index, layer, rows),
+        if self._steps is not None and self._steps[0] is lora:
+            return self._steps[1]
+        projections = [
+            (
+                _projection_step(lora, index, self._qkv_modules, rows, layer.qkv),
+                _projection_step(lora, index, self._o_modules, rows, layer.o),
+                _projection_step(lora, index, self._gate_up_modules, rows, layer.gate_up),
+                _projection_step(lora, index, self._down_modules, rows, layer.down),
             )
-            steps.append(step)
-        self._steps = (lora, rows, steps)
+            for index, layer in enumerate(self.layers)
+        ]
+        steps = []
+        for index, (layer, (qkv, o, gate_up, down)) in enumerate(
+            zip(self.layers, projections, strict=True)
+        ):
+            next_qkv = projections[index + 1][0] if index + 1 < len(projections) else NO_LORA
+            ahead = self._next_qkv_rows(lora, index, layer, rows, gate_up, next_qkv)
+            steps.append(LayerLoRA(qkv, o, gate_up, down, ahead))
+        self._steps = (lora, steps)
         return steps
 
     @functools.cached_property
@@ -192,18 +199,21 @@ class CausalLM:
         return _project(step.o, attended, layer.o)
 
     def _next_qkv_rows(
-        self, lora: StepLoRA, index: int, layer: Layer, rows: int
+        self,
+        lora: StepLoRA,
+        index: int,
+        layer: Layer,
+        rows: int,
+        gate_up: ProjectionStep,
+        next_qkv: ProjectionStep,
     ) -> cpu_lora.Fetch | None:
         """The next layer's q,k,v adapter rows, for this layer's gate_up projection to bring into
         cache where it fetches and has no LoRA call of its own (adapters on attention only, as
         q,v adapters are); else None. Whether gate_up or the q,k,v projection itself is the
         faster to fetch them depends on the CPU, so forward times both (fetch_placement.py)."""
-        if (
-            index + 1 == len(self.layers)
-            or not layer.gate_up.fetches_rows(rows)
-            or lora.plan(index, self._gate_up_modules) is not None
-            or lora.plan(index + 1, self._qkv_modules) is None
-        ):
+        if gate_up.plan is not None or next_qkv.plan is None:
+            return None  # gate_up has its own LoRA call, or the next layer's q,k,v none
+        if not layer.gate_up.fetches_rows(rows):
             return None
         return lora.fetch(index + 1, self._qkv_modules, self.config.hidden_size)
 
