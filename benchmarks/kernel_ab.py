@@ -1,6 +1,7 @@
 """Two builds of the CPU kernels compared in one process, decode step by decode step.
 
     python benchmarks/kernel_ab.py --against REV [--modules qv|all] [--dtype bfloat16|float32]
+                                   [--fetch timed|ahead|own]
 
 Builds the kernels' C sources as they are at git revision REV into a library of its own beside
 the working tree's, then runs 32 sequences decoding together on 32 distinct rank-16 adapters
@@ -8,7 +9,9 @@ the working tree's, then runs 32 sequences decoding together on 32 distinct rank
 LoRA calls (the native projection's fused call, and every LoRA call made apart), the two builds'
 order alternating, and it prints the medians of each build's extra over base and the median of
 the paired differences. Only the LoRA calls change between the builds; the projections,
-attention and the rest are the working tree's in both.
+attention and the rest are the working tree's in both. The model settles during the warm-up,
+by timing steps, where a layer's q,k,v rows are fetched (fetch_placement.py), and two runs may
+settle differently: the placement is printed, and --fetch fixes it.
 
 On a shared host whose speed drifts from minute to minute (a 2-core Zen 5 VM read 46 to 80
 GB/s within the hour), whole benchmark runs of one build after the other differ by more than
@@ -116,6 +119,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--rounds", type=int, default=120)
     parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument(
+        "--fetch", choices=("timed", "ahead", "own"), default="timed",
+        help="where a layer's q,k,v rows are fetched (where the build fetches): as the model "
+        "times it (fetch_placement.py), by the gate_up before, or by the q,k,v projection",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -144,6 +152,8 @@ def main() -> None:
         for _ in range(warmup):
             engine.step()
         model = engine.runner.model
+        if args.fetch != "timed":
+            model.fetch_placement.fix(args.fetch == "ahead")
         builds = {
             "working tree": LoRACalls.of_engine(model),
             args.against: LoRACalls.of_library(other, dtype),
@@ -164,7 +174,8 @@ def main() -> None:
     base = times["base"]
     print(
         f"{args.dtype}, {n} sequences on {n} adapters ({args.modules}), {args.rounds} rounds; "
-        f"base step median {median(base) * 1e3:.2f} ms"
+        f"base step median {median(base) * 1e3:.2f} ms; q,k,v rows fetched "
+        + ("by the gate_up before" if model.fetch_placement.ahead else "by their projection")
     )
     for name in names:
         extra = median(a - b for a, b in zip(times[name], base, strict=True))

@@ -34,10 +34,16 @@ class FetchPlacement:
         self._kept = 0  # steps left to fetch as measured
         self._differences: list[float] = []  # seconds of the ahead step minus the other's
         self._first: tuple[bool, int, float] | None = None  # the pair's first step so far
+        self._fixed = False  # one way kept for good (fix)
+
+    def fix(self, ahead: bool) -> None:
+        """Fetch one way from now on, never measuring again (benchmarks that compare other
+        things under one placement)."""
+        self.ahead, self._fixed = ahead, True
 
     def choose(self) -> bool:
         """Whether the next step that could fetch ahead does so (`record` its time after)."""
-        if self._kept:
+        if self._kept or self._fixed:
             return self.ahead
         if self._first is None:
             return len(self._differences) % 2 == 0
@@ -45,6 +51,8 @@ class FetchPlacement:
 
     def record(self, ahead: bool, tokens: int, seconds: float) -> None:
         """A step that could fetch ahead: whether it did, its tokens and the seconds it took."""
+        if self._fixed:
+            return
         if self._kept:
             self._kept -= 1
             return

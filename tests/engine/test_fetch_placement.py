@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from loraplex.engine.fetch_placement import FetchPlacement
 
 
@@ -43,3 +45,14 @@ def test_a_pair_whose_batch_changed_size_does_not_count():
     # 4 pairs of one size, where fetching ahead is the slower, decide
     drive(placement, [32] * 8, lambda ahead, tokens: 0.036 if ahead else 0.035)
     assert drive(placement, [32] * 10, noisy(35.0, 35.0)) == [False] * 10
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_fixed_way_is_kept_whatever_the_timings(ahead):
+    placement = FetchPlacement(pairs=4, keep=10)
+    placement.fix(ahead)
+
+    def slower(way: bool, tokens: int) -> float:  # the fixed way: measured, it would lose
+        return 0.1 if way == ahead else 0.001
+
+    assert drive(placement, [32] * 40, slower) == [ahead] * 40

@@ -154,8 +154,9 @@ def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adap
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70])  # 70: past NATIVE_LINEAR_MAX_ROWS
 def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(build, rows):
     """q, k and v's projection and LoRA call (tokens on three adapters in any order, runs of
-    one) in one native call: the bits of the projection, then the call, apart; a product that
-    cannot take the call (past NATIVE_LINEAR_MAX_ROWS, but in the FMA build) is refused it."""
+    one) in one native call: the bits of the projection, then the call, apart, for a call on
+    every row or on the later rows alone; a product that cannot take the call (past
+    NATIVE_LINEAR_MAX_ROWS, but in the FMA build) is refused it."""
     torch.manual_seed(rows)
     fin, widths, rank, adapters = 576, (576, 192, 192), 8, 3
     weight = (torch.randn(sum(widths), fin) * 0.05).bfloat16()
@@ -184,6 +185,13 @@ def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart
     fused = linear(x, lora=call)
     assert torch.equal(fused, apart)
     assert not torch.equal(fused, linear(x))
+    first = rows // 3  # a call on the later rows alone (the first ones on no adapter)
+    later = cpu_lora.load().bind(
+        pool, a_rows, torch.stack(b_rows), slots[first:], rank, scales, outputs, first, rows
+    )
+    later_apart = linear(x)
+    later(x, later_apart)
+    assert torch.equal(linear(x, lora=later), later_apart)
     if linear.fetches(x):  # the call's rows brought into cache meanwhile change nothing
         size, rows_of = pool.element_size(), rank * adapters
         offsets = torch.cat([a_rows.flatten(), *b_rows])
