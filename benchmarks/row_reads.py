@@ -1,0 +1,176 @@
+"""How fast this box reads a decode step's adapter rows where they lie, against one contiguous read.
+
+    python benchmarks/row_reads.py [--modules qv|all] [--rounds 3]
+
+lora_floor.py's floor is the step's adapter bytes over the box's streaming read bandwidth (one
+long contiguous range). A step reads no such range: each token's rows of a layer are one block
+of the pool (an adapter's rows of one layer lie together, A and B^T of each module), 61,440 bytes
+for SmolLM2's q,v at rank 16 in bfloat16 and 325,632 for all seven projections, and the 32
+tokens' blocks lie anywhere in the pool. This reads the same bytes, 30 layers of 32 such blocks
+at random 4 KiB-aligned places of a 1 GiB buffer, two threads each taking half a layer's blocks
+(one parallel region a layer, as the LoRA calls), after reading 256 MiB elsewhere to empty the
+caches; best of 5 each way, rounds alternated:
+
+* front to back: each block read in order, one stream;
+* with the next block: the same, and the thread's next block prefetched alongside at the same
+  pace, into L1 (the LoRA kernels' way) or into L2;
+* 16 rows at once: a block taken as 1,152-byte rows, 16 advancing together (the order of the
+  bfloat16 expand), the next block prefetched alongside;
+* one contiguous range of as many bytes, in one parallel region (what the floor assumes).
+
+The gap between the last and the best of the others is what reading the rows in place costs on
+this box over the floor, whatever the kernels compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+HIDDEN, KV, INTERMEDIATE, RANK, LAYERS, TOKENS = 576, 192, 1536, 16, 30, 32
+# (A row width, B^T row width) of each module, SmolLM2-135M
+MODULES = {
+    "qv": [(HIDDEN, HIDDEN), (HIDDEN, KV)],
+    "all": [(HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN)]
+    + [(HIDDEN, INTERMEDIATE)] * 2
+    + [(INTERMEDIATE, HIDDEN)],
+}
+PATTERNS = [
+    "front to back",
+    "with the next block, into L1",
+    "with the next block, into L2",
+    "16 rows at once",
+    "one contiguous range",
+]
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* the sum of a block's floats (every 64-byte line read once), in the pattern's order */
+static float read_block(const char *b, const char *next, int64_t bytes, int pattern) {
+    __m512 acc = _mm512_setzero_ps();
+    if (pattern < 3) {
+        for (int64_t o = 0; o + 64 <= bytes; o += 64) {
+            if (next != NULL && pattern == 1) __builtin_prefetch(next + o, 0, 3);
+            if (next != NULL && pattern == 2) __builtin_prefetch(next + o, 0, 2);
+            acc = _mm512_add_ps(acc, _mm512_loadu_ps((const float *)(b + o)));
+        }
+    } else {
+        const int64_t row = 1152, rows = bytes / row;
+        for (int64_t j0 = 0; j0 < rows; j0 += 16)
+            for (int64_t o = 0; o < row; o += 64)
+                for (int64_t j = j0; j < j0 + 16 && j < rows; j++) {
+                    if (next != NULL) __builtin_prefetch(next + j * row + o, 0, 3);
+                    acc = _mm512_add_ps(acc, _mm512_loadu_ps((const float *)(b + j * row + o)));
+                }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static volatile float sink;
+
+/* seconds to read blocks at[layer][token] of `bytes` each (pattern < 4), or as many bytes from
+ * `pool` on (pattern 4), after reading `evict` bytes from `away` */
+double read_rows(const char *pool, const int64_t *at, int64_t layers, int64_t tokens,
+                 int64_t bytes, int pattern, const char *away, int64_t evict) {
+    float s = 0;
+#pragma omp parallel for reduction(+ : s) num_threads(2)
+    for (int64_t o = 0; o < evict; o += 64) s += away[o];
+    sink = s;
+    const double start = now();
+    if (pattern == 4) {
+        const int64_t total = layers * tokens * bytes;
+#pragma omp parallel for reduction(+ : s) num_threads(2)
+        for (int64_t o = 0; o < total; o += 64) s += _mm512_reduce_add_ps(
+            _mm512_loadu_ps((const float *)(pool + o)));
+        sink = s;
+        return now() - start;
+    }
+    for (int64_t l = 0; l < layers; l++) {
+#pragma omp parallel num_threads(2)
+        {
+            const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t first = tokens * th / nt, last = tokens * (th + 1) / nt;
+            float a = 0;
+            for (int64_t t = first; t < last; t++) {
+                const char *next = t + 1 < last ? pool + at[l * tokens + t + 1] : NULL;
+                a += read_block(pool + at[l * tokens + t], pattern == 0 ? NULL : next, bytes,
+                                pattern);
+            }
+            sink = a;
+        }
+    }
+    return now() - start;
+}
+"""
+
+
+def build(folder: Path) -> ctypes.CDLL:
+    from loraplex.kernels import cpu_lora
+
+    source, target = folder / "row_reads.c", folder / "row_reads.so"
+    source.write_text(SOURCE)
+    subprocess.run([cpu_lora._compiler(), *cpu_lora.build_flags(), str(source), "-o", str(target)],
+                   check=True)  # fmt: skip
+    lib = ctypes.CDLL(str(target))
+    lib.read_rows.restype = ctypes.c_double
+    lib.read_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.read_rows.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    return lib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--modules", choices=sorted(MODULES), default="qv")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+
+    block = sum((a + b) * RANK for a, b in MODULES[args.modules]) * 2  # bytes, bfloat16
+    pool = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    away = torch.ones(1 << 26, dtype=torch.float32)  # 256 MiB
+    gen = torch.Generator().manual_seed(0)
+    pages = (pool.numel() * 4 - block) // 4096
+    at = (torch.randint(0, pages, (LAYERS, TOKENS), generator=gen) * 4096).contiguous()
+    total = LAYERS * TOKENS * block
+    best = {name: float("inf") for name in PATTERNS}
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = build(Path(tmp))
+        for _ in range(args.rounds):
+            for pattern, name in enumerate(PATTERNS):
+                for _ in range(5):
+                    seconds = lib.read_rows(
+                        pool.data_ptr(), at.data_ptr(), LAYERS, TOKENS, block, pattern,
+                        away.data_ptr(), away.numel() * 4,
+                    )  # fmt: skip
+                    best[name] = min(best[name], seconds)
+    print(
+        f"{args.modules}: {LAYERS} layers x {TOKENS} blocks of {block:,} bytes "
+        f"({total / 2**20:.1f} MiB), 2 threads, best of {5 * args.rounds}"
+    )
+    contiguous = best[PATTERNS[-1]]
+    for name in PATTERNS:
+        seconds = best[name]
+        print(
+            f"  {name:30s} {seconds * 1e3:7.2f} ms  {total / seconds / 1e9:6.1f} GB/s  "
+            f"{seconds / contiguous:5.2f}x the contiguous read"
+        )
+
+
+if __name__ == "__main__":
+    main()
