@@ -8,7 +8,9 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
 
 * the box's read bandwidth (a sum over a 1 GiB tensor, larger than any cache, all threads),
   before the steps and after them: on a shared host it can change in between (a 2-core Zen 5
-  VM moved between about 45 and 77 GB/s within minutes), and the floor uses the first;
+  VM moved between about 45 and 77 GB/s within minutes), and the floor uses the first; and
+  read again between the pairs of steps (every SAMPLE_EVERY pairs), and the floor and the
+  extra's multiple of it at the median of those reads, taken side by side with the steps;
 * the step time with 32 distinct rank-16 adapters on q,v and on all seven projections, each step
   followed by the same batch with LoRA skipped (its base step); the adapter bytes each step
   reads; the floor they imply; the extra step time over base (median of the pairs' differences)
@@ -42,10 +44,18 @@ ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 def read_bandwidth(gib: float = 1.0, runs: int = 5) -> float:
     """Bytes/s of a streaming read (torch sum over a tensor no cache holds), best of `runs`."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(runs))
-    return x.numel() * 4 / best
+    return BandwidthProbe(gib).read(runs)
+
+
+class BandwidthProbe:
+    """The streaming read of read_bandwidth on a tensor kept for the run, to take between steps."""
+
+    def __init__(self, gib: float = 1.0) -> None:
+        self.x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+        self.x.sum()
+
+    def read(self, runs: int = 1) -> float:
+        return self.x.numel() * 4 / min(_timed(self.x.sum) for _ in range(runs))
 
 
 def _timed(fn) -> float:
@@ -74,10 +84,18 @@ class Steps:
     with_lora: float  # median step time, seconds
     without: float  # median step time of the same batch with LoRA skipped
     extra: float  # median of (with - without) over adjacent pairs
+    bandwidth: list[float]  # bytes/s read between the pairs (BandwidthProbe), in order
 
 
-def decode_steps(engine, prompts, loras, steps: int, switch: LoRASwitch) -> Steps:
-    """Decode steps once every sequence is past its prefill, LoRA on and off in turn."""
+SAMPLE_EVERY = 6  # pairs of steps between two reads of the bandwidth
+
+
+def decode_steps(
+    engine, prompts, loras, steps: int, switch: LoRASwitch, probe: BandwidthProbe | None = None
+) -> Steps:
+    """Decode steps once every sequence is past its prefill, LoRA on and off in turn; with a
+    probe, the bandwidth read before every SAMPLE_EVERY pairs, each read followed by a step left
+    out of the pairs (the read empties the caches)."""
     from loraplex import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
@@ -87,8 +105,11 @@ def decode_steps(engine, prompts, loras, steps: int, switch: LoRASwitch) -> Step
     started: set[str] = set()
     while len(started) < len(prompts):
         started |= {delta.request_id for delta in engine.step()}
-    pairs = []
-    for _ in range(steps):
+    pairs, bandwidth = [], []
+    for i in range(steps):
+        if probe is not None and i % SAMPLE_EVERY == 0:
+            bandwidth.append(probe.read())
+            engine.step()
         switch.on = True
         with_lora = _timed(engine.step)
         switch.on = False
@@ -100,6 +121,7 @@ def decode_steps(engine, prompts, loras, steps: int, switch: LoRASwitch) -> Step
         statistics.median(on for on, _ in pairs),
         statistics.median(off for _, off in pairs),
         statistics.median(on - off for on, off in pairs),
+        bandwidth,
     )
 
 
@@ -127,7 +149,8 @@ def main() -> None:
     from loraplex.engine.default_model import resolve_model
     from loraplex.engine.fetch_placement import PAIRS as FETCH_PAIRS
 
-    bandwidth = read_bandwidth()
+    probe = BandwidthProbe()
+    bandwidth = probe.read(5)
     model_dir = resolve_model(args.model)
     n = args.sequences
 
@@ -166,7 +189,7 @@ def main() -> None:
                     for per in (1, 4):
                         key = f"{name} {strategy} {n // per}x{per}"
                         results[key] = decode_steps(
-                            llm.engine, prompts, loras[: n // per], args.steps, switch
+                            llm.engine, prompts, loras[: n // per], args.steps, switch, probe
                         )
             finally:
                 lora_batch.GROUP_MIN_TOKENS, runner.settings = default, settings
@@ -182,19 +205,25 @@ def main() -> None:
         f"together; medians over {args.steps} steps with LoRA, each followed by the same batch "
         f"with LoRA skipped (base); rank {args.rank} adapters"
     )
-    after = read_bandwidth()
+    after = probe.read(5)
     print(
         f"read bandwidth of this box: {bandwidth / 1e9:.1f} GB/s before the steps, "
         f"{after / 1e9:.1f} GB/s after them; LoRA backend {backend}"
     )
     for name in ("q,v", "all"):
         r, size = results[name], floors[name]
-        floor = size / bandwidth
+        floor, during = size / bandwidth, statistics.median(r.bandwidth)
         print(
             f"{n} adapters on {name:3s}: step {r.with_lora * 1e3:6.2f} ms against base "
             f"{r.without * 1e3:6.2f} ms ({r.without / r.with_lora:.2f}x base throughput); "
             f"adapter bytes per step {size / 2**20:6.1f} MiB; floor {floor * 1e3:5.2f} ms; "
             f"extra over base {r.extra * 1e3:6.2f} ms = {r.extra / floor:.2f}x floor"
+        )
+        reads = ", ".join(f"{b / 1e9:.0f}" for b in r.bandwidth)
+        print(
+            f"    read between its pairs: {reads} GB/s; at their median, {during / 1e9:.1f} "
+            f"GB/s, the floor is {size / during * 1e3:5.2f} ms and the extra "
+            f"{r.extra / (size / during):.2f}x it"
         )
     if backend == "native":
         where = "the layer before's gate_up" if placement else "the q,k,v projection itself"
