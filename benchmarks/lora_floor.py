@@ -42,19 +42,16 @@ QV = ("q_proj", "v_proj")
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def read_bandwidth(gib: float = 1.0, runs: int = 5) -> float:
-    """Bytes/s of a streaming read (torch sum over a tensor no cache holds), best of `runs`."""
-    return BandwidthProbe(gib).read(runs)
-
-
 class BandwidthProbe:
-    """The streaming read of read_bandwidth on a tensor kept for the run, to take between steps."""
+    """The box's streaming read: a torch sum over a tensor no cache holds, kept for the run so
+    that it can be read between steps too."""
 
     def __init__(self, gib: float = 1.0) -> None:
         self.x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
         self.x.sum()
 
     def read(self, runs: int = 1) -> float:
+        """Bytes/s, best of `runs`."""
         return self.x.numel() * 4 / min(_timed(self.x.sum) for _ in range(runs))
 
 

@@ -7,9 +7,9 @@ long contiguous range). A step reads no such range: each token's rows of a layer
 of the pool (an adapter's rows of one layer lie together, A and B^T of each module), 61,440 bytes
 for SmolLM2's q,v at rank 16 in bfloat16 and 325,632 for all seven projections, and the 32
 tokens' blocks lie anywhere in the pool. This reads the same bytes, 30 layers of 32 such blocks
-at random 4 KiB-aligned places of a 1 GiB buffer, two threads each taking half a layer's blocks
-(one parallel region a layer, as the LoRA calls), after reading 256 MiB elsewhere to empty the
-caches; best of 5 each way, rounds alternated:
+at random 4 KiB-aligned places of a 1 GiB buffer, none overlapping, two threads each taking
+half a layer's blocks (one parallel region a layer, as the LoRA calls), after reading 256 MiB
+elsewhere to empty the caches; best of 5 each way, rounds alternated:
 
 * front to back: each block read in order, one stream;
 * with the next block: the same, and the thread's next block prefetched alongside at the same
@@ -145,8 +145,9 @@ def main() -> None:
     pool = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
     away = torch.ones(1 << 26, dtype=torch.float32)  # 256 MiB
     gen = torch.Generator().manual_seed(0)
-    pages = (pool.numel() * 4 - block) // 4096
-    at = (torch.randint(0, pages, (LAYERS, TOKENS), generator=gen) * 4096).contiguous()
+    slot = (block + 4095) // 4096 * 4096  # places that do not overlap, one a block
+    chosen = torch.randperm(pool.numel() * 4 // slot, generator=gen)[: LAYERS * TOKENS]
+    at = (chosen * slot).view(LAYERS, TOKENS).contiguous()
     total = LAYERS * TOKENS * block
     best = {name: float("inf") for name in PATTERNS}
     with tempfile.TemporaryDirectory() as tmp:
