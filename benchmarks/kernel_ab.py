@@ -174,7 +174,8 @@ def main() -> None:
     base = times["base"]
     print(
         f"{args.dtype}, {n} sequences on {n} adapters ({args.modules}), {args.rounds} rounds; "
-        f"base step median {median(base) * 1e3:.2f} ms; q,k,v rows fetched "
+        f"base step median {median(base) * 1e3:.2f} ms; q,k,v rows fetched (where the build "
+        "fetches) "
         + ("by the gate_up before" if model.fetch_placement.ahead else "by their projection")
     )
     for name in names:
