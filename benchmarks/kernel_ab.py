@@ -51,9 +51,8 @@ def build_at(revision: str, folder: Path) -> ctypes.CDLL:
         ).stdout  # fmt: skip
         (folder / name).write_bytes(source)
     target = folder / "kernels.so"
-    sources = sorted(str(folder / name) for name in listing if name.endswith(".c"))
-    compiler = cpu_lora._compiler()
-    subprocess.run([compiler, *cpu_lora.build_flags(), *sources, "-o", str(target)], check=True)
+    sources = sorted(folder / name for name in listing if name.endswith(".c"))
+    subprocess.run(cpu_lora.compile_command(cpu_lora._compiler(), sources, target), check=True)
     return ctypes.CDLL(str(target))
 
 

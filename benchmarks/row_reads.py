@@ -122,8 +122,7 @@ def build(folder: Path) -> ctypes.CDLL:
 
     source, target = folder / "row_reads.c", folder / "row_reads.so"
     source.write_text(SOURCE)
-    subprocess.run([cpu_lora._compiler(), *cpu_lora.build_flags(), str(source), "-o", str(target)],
-                   check=True)  # fmt: skip
+    subprocess.run(cpu_lora.compile_command(cpu_lora._compiler(), [source], target), check=True)
     lib = ctypes.CDLL(str(target))
     lib.read_rows.restype = ctypes.c_double
     lib.read_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3

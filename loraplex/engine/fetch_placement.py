@@ -21,6 +21,7 @@ time a step takes.
 
 from __future__ import annotations
 
+import math
 import statistics
 
 PAIRS = 64  # pairs of steps a measurement takes
@@ -31,19 +32,18 @@ class FetchPlacement:
     def __init__(self, pairs: int = PAIRS, keep: int = KEEP) -> None:
         self.pairs, self.keep = pairs, keep
         self.ahead = True  # until measured: the choice on the machine it was first tuned on
-        self._kept = 0  # steps left to fetch as measured
+        self._kept: float = 0  # steps left to fetch as measured (inf: for good, fix)
         self._differences: list[float] = []  # seconds of the ahead step minus the other's
         self._first: tuple[bool, int, float] | None = None  # the pair's first step so far
-        self._fixed = False  # one way kept for good (fix)
 
     def fix(self, ahead: bool) -> None:
         """Fetch one way from now on, never measuring again (benchmarks that compare other
         things under one placement)."""
-        self.ahead, self._fixed = ahead, True
+        self.ahead, self._kept = ahead, math.inf
 
     def choose(self) -> bool:
         """Whether the next step that could fetch ahead does so (`record` its time after)."""
-        if self._kept or self._fixed:
+        if self._kept:
             return self.ahead
         if self._first is None:
             return len(self._differences) % 2 == 0
@@ -51,8 +51,6 @@ class FetchPlacement:
 
     def record(self, ahead: bool, tokens: int, seconds: float) -> None:
         """A step that could fetch ahead: whether it did, its tokens and the seconds it took."""
-        if self._fixed:
-            return
         if self._kept:
             self._kept -= 1
             return

@@ -117,6 +117,12 @@ def _build_key(compiler: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def compile_command(compiler: str, sources, target) -> list[str]:
+    """The command that builds the C `sources` into the shared library `target` for this
+    machine (build_flags); the engine's library is SOURCES, benchmarks build others."""
+    return [compiler, *build_flags(), *map(str, sources), "-o", str(target)]
+
+
 def _build(compiler: str, target: Path) -> None:
     """Compile into a temporary file beside `target`, then rename: concurrent builders are safe."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -124,10 +130,7 @@ def _build(compiler: str, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *build_flags(), *map(str, SOURCES), "-o", tmp],
-            check=True,
-            capture_output=True,
-            text=True,
+            compile_command(compiler, SOURCES, tmp), check=True, capture_output=True, text=True
         )
         os.replace(tmp, target)
     finally:
