@@ -357,6 +357,25 @@ def test_a_prefill_span_gives_each_token_the_bits_it_gets_alone(dtype, span, ker
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("fin, fout", [(7, 5), (23, 13), (40, 31), (600, 300)])
+@pytest.mark.parametrize("ranks", [[16, 16], [1, 3, 5]], ids=["rank 16", "ranks 1, 3, 5"])
+def test_float32_gives_the_same_bits_with_and_without_avx512(fin, fout, ranks, tmp_path_factory):
+    """float32 serving is token-identical to PEFT on every CPU: the AVX-512 call, four A rows and
+    every B row at once, sums each output in the order of the AVX2 build's row after row, so both
+    give the same bits, at widths with and without vector tails."""
+    if not {"avx512f", "avx512dq"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX-512: its own build is the AVX2 one")
+    avx2 = cpu_lora.CpuLoRAKernel(build_for("without AVX-512", tmp_path_factory))
+    x, y, pool, a_off, b_off, ranks_t, scales, segments = random_case(
+        3, ranks, [1, 2, 1, 3], 1, torch.float32, in_features=fin, out_features=fout
+    )
+    got, want = y.clone(), y.clone()
+    apply_native(x, got, pool, a_off, b_off, ranks_t, scales, segments)
+    apply_native(x, want, pool, a_off, b_off, ranks_t, scales, segments, avx2)
+    assert not torch.equal(got, y)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_call_bound_to_some_rows_changes_only_them_every_time_it_is_made(dtype, kernel_build):
     """The engine binds a call once per batch and layer and makes it every step: bound to rows
