@@ -667,8 +667,8 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
  * nothing else to do meanwhile. Per block the arithmetic of lora_block_bf16, in the same order:
  * the same bits. Decode steps (in-process, the two builds swapped step by step, as
  * benchmarks/kernel_ab.py does; paired medians, 2-core Zen 5): 32 q,v adapters 0.33-0.50 ms a
- * step less in three runs, 32 all-module 1.01-1.29 ms less. Not with AMX's spans, which that
- * build keeps. */
+ * step less in three runs, 32 all-module 1.01-1.29 ms less; in the FMA build, between its
+ * blocks (linear.c). Not with AMX's spans, which that build keeps. */
 int lora_passes_begin(LoRAPasses *p, const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
     const int64_t n = bound->end - bound->start;
