@@ -16,6 +16,10 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
   reads; the floor they imply; the extra step time over base (median of the pairs' differences)
   as a multiple of that floor (target <= 1.25x for all-module) and the q,v batch's
   throughput against base (target >= 0.95x);
+* the engine's own strategy on 32 adapters measured once more after the strategies below, some
+  minutes later: a shared host has slow phases (a 2-core Xeon's base step went from 46-48 to
+  58-64 ms for tens of seconds), longer than one measurement, and two far apart show when one
+  fell in one;
 * where the engine chose, by timing steps after a warm-up long enough for it, to fetch the q,v
   adapters' rows into cache (where the build fetches: fetch_placement.py);
 * the same batches with each CPU LoRA strategy forced: *native* (the C kernel in
@@ -122,6 +126,18 @@ def decode_steps(
     )
 
 
+def beside_pairs(steps: Steps, size: int) -> str:
+    """The bandwidth read between a measurement's pairs, and its extra against the floor of
+    `size` adapter bytes at their median."""
+    during = statistics.median(steps.bandwidth)
+    reads = ", ".join(f"{b / 1e9:.0f}" for b in steps.bandwidth)
+    return (
+        f"read between its pairs: {reads} GB/s; at their median, {during / 1e9:.1f} GB/s, the "
+        f"floor is {size / during * 1e3:5.2f} ms and the extra, {steps.extra * 1e3:.2f} ms, "
+        f"{steps.extra / (size / during):.2f}x it"
+    )
+
+
 def adapter_bytes(engine) -> int:
     """Bytes of the weights of every resident adapter, at the pool's dtype."""
     return sum(resident.nbytes for resident in engine.adapters.resident.values())
@@ -164,6 +180,7 @@ def main() -> None:
 
     switch = LoRASwitch()
     results: dict[str, Steps] = {}
+    again: dict[str, Steps] = {}
     floors: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, modules in (("q,v", QV), ("all", ALL)):
@@ -195,6 +212,9 @@ def main() -> None:
             # which gathers runs of one token
             default_strategy = "native" if backend == "native" else "gathered"
             results[name] = results[f"{name} {default_strategy} {n}x1"]
+            # the engine's own strategy once more, minutes later: a shared host's slow phases
+            # last longer than one measurement, and two far apart show when one fell in one
+            again[name] = decode_steps(llm.engine, prompts, loras, args.steps, switch, probe)
             del llm
 
     print(
@@ -209,18 +229,19 @@ def main() -> None:
     )
     for name in ("q,v", "all"):
         r, size = results[name], floors[name]
-        floor, during = size / bandwidth, statistics.median(r.bandwidth)
+        floor = size / bandwidth
         print(
             f"{n} adapters on {name:3s}: step {r.with_lora * 1e3:6.2f} ms against base "
             f"{r.without * 1e3:6.2f} ms ({r.without / r.with_lora:.2f}x base throughput); "
             f"adapter bytes per step {size / 2**20:6.1f} MiB; floor {floor * 1e3:5.2f} ms; "
             f"extra over base {r.extra * 1e3:6.2f} ms = {r.extra / floor:.2f}x floor"
         )
-        reads = ", ".join(f"{b / 1e9:.0f}" for b in r.bandwidth)
+        print(f"    {beside_pairs(r, size)}")
+        r = again[name]
         print(
-            f"    read between its pairs: {reads} GB/s; at their median, {during / 1e9:.1f} "
-            f"GB/s, the floor is {size / during * 1e3:5.2f} ms and the extra "
-            f"{r.extra / (size / during):.2f}x it"
+            f"    again after the strategies: step {r.with_lora * 1e3:6.2f} ms against base "
+            f"{r.without * 1e3:6.2f} ms ({r.without / r.with_lora:.2f}x base throughput); "
+            f"{beside_pairs(r, size)}"
         )
     if backend == "native":
         where = "the layer before's gate_up" if placement else "the q,k,v projection itself"
