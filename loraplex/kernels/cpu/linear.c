@@ -276,8 +276,8 @@ static inline __attribute__((always_inline)) void linear_tile(
 
 #define LINEAR_SHRINKS /* linear_thread_shrinking: the projection with the LoRA call's shrinks */
 /* With `lora` (the fused call's LoRA in two passes, lora.c), the thread's shrinks go between
- * its items of the projection, as evenly: those due once `done` of its `items` are (a thread
- * without items takes them all). */
+ * its items of the projection, as evenly: those due once `done` of its `items` are; with items
+ * 0, all that are left (after a thread's last item, or for a thread without any). */
 static inline void shrinks_due(LoRAPasses *lora, int64_t done, int64_t items) {
     if (lora == NULL) return;
     const int64_t due = items > 0 ? lora->blocks * done / items : lora->blocks;
