@@ -357,21 +357,26 @@ def test_a_prefill_span_gives_each_token_the_bits_it_gets_alone(dtype, span, ker
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("fin, fout", [(7, 5), (23, 13), (40, 31), (600, 300)])
-@pytest.mark.parametrize("ranks", [[16, 16], [1, 3, 5]], ids=["rank 16", "ranks 1, 3, 5"])
-def test_float32_gives_the_same_bits_with_and_without_avx512(fin, fout, ranks, tmp_path_factory):
-    """float32 serving is token-identical to PEFT on every CPU: the AVX-512 call, four A rows and
-    every B row at once, sums each output in the order of the AVX2 build's row after row, so both
-    give the same bits, at widths with and without vector tails."""
+@pytest.fixture(scope="module")
+def avx2_kernel(tmp_path_factory):
+    """The LoRA kernel of the build without AVX-512, on a CPU whose own build has it."""
     if not {"avx512f", "avx512dq"} <= cpu_flags():
         pytest.skip("this CPU has no AVX-512: its own build is the AVX2 one")
-    avx2 = cpu_lora.CpuLoRAKernel(build_for("without AVX-512", tmp_path_factory))
+    return cpu_lora.CpuLoRAKernel(build_for("without AVX-512", tmp_path_factory))
+
+
+@pytest.mark.parametrize("fin, fout", [(7, 5), (23, 13), (40, 31), (600, 300)])
+@pytest.mark.parametrize("ranks", [[16, 16], [1, 3, 5]], ids=["rank 16", "ranks 1, 3, 5"])
+def test_float32_gives_the_same_bits_with_and_without_avx512(fin, fout, ranks, avx2_kernel):
+    """The AVX-512 float32 call, four A rows and every B row at once, sums each output in the
+    order of the AVX2 build's row after row: both give the same bits, at widths with and without
+    vector tails, so float32's token identity to PEFT does not depend on the CPU's vectors."""
     x, y, pool, a_off, b_off, ranks_t, scales, segments = random_case(
         3, ranks, [1, 2, 1, 3], 1, torch.float32, in_features=fin, out_features=fout
     )
     got, want = y.clone(), y.clone()
     apply_native(x, got, pool, a_off, b_off, ranks_t, scales, segments)
-    apply_native(x, want, pool, a_off, b_off, ranks_t, scales, segments, avx2)
+    apply_native(x, want, pool, a_off, b_off, ranks_t, scales, segments, avx2_kernel)
     assert not torch.equal(got, y)
     assert torch.equal(got, want)
 
