@@ -9,8 +9,9 @@ On CPU, dense projections run through oneDNN with weights prepacked once at load
 2-core AVX-512 machines loraplex is developed on, that is 2-3x faster than the default BLAS path
 for the 32-to-256-row batches of a serving step, and still IEEE float32. In bfloat16, a decode
 step's products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel instead, on AMX
-tiles or AVX512-BF16 dot products (choose_linear_bf16); with AMX, and in its FMA build, every
-product does. Anywhere else (CUDA, or a CPU build without oneDNN), `torch.nn.functional.linear`.
+tiles or AVX512-BF16 dot products (choose_linear_bf16); with AMX, in its FMA build and on Zen 4,
+every product does. Anywhere else (CUDA, or a CPU build without oneDNN),
+`torch.nn.functional.linear`.
 """
 
 from __future__ import annotations
@@ -143,10 +144,10 @@ def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 _PACKING_ROWS_HINT = 64
 
 
-# The most rows the native bfloat16 projection takes, unless it is as fast for any (with AMX, and
-# its FMA build: cpu_lora.CpuLinearBf16.any_rows); more (prompt chunks) go to oneDNN, whose blocking
-# wins there (256 rows: 0.77x oneDNN's speed; 64 rows: 0.97x; 32 rows: 1.05-1.14x with weights
-# from memory, measured over SmolLM2's 30 layers on a 2-core Zen 5).
+# The most rows the native bfloat16 projection takes, unless it is as fast for any (with AMX, its
+# FMA build and on Zen 4: cpu_lora.CpuLinearBf16.any_rows); more (prompt chunks) go to oneDNN,
+# whose blocking wins there on Zen 5 (256 rows: 0.77x oneDNN's speed; 64 rows: 0.97x; 32 rows:
+# 1.05-1.14x with weights from memory, measured over SmolLM2's 30 layers).
 NATIVE_LINEAR_MAX_ROWS = 32
 
 
@@ -163,25 +164,21 @@ def choose_linear_bf16(weight: torch.Tensor):
 
 
 def native_lm_head() -> bool:
-    """Whether the lm_head, one pass over a vocabulary of rows, takes the native projection
-    for decode steps as well, where it was measured faster: with AMX (SmolLM2's 49,152 x 576,
-    32 rows: 1.74 against oneDNN's 2.09 ms on a 2-core Xeon) and on AMD's Zen 4 (family 25 with
-    AVX512-BF16: 4.8 against 5.3 ms, a decode step of 32 sequences 35.4 against 36.1 ms on a
-    2-core EPYC), and where vdpbf16ps runs at half rate (cpu_lora.dpbf16_half_rate: 49,152 x
-    576, 32 rows at 347 against oneDNN's 215 GFLOP/s on a 2-core Xeon); not on Zen 5, where
-    oneDNN streamed it faster."""
-    info = cpu_lora.cpu_info()
-    zen4 = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
-    flags = cpu_lora.cpu_flags()
-    return "amx_bf16" in flags or (zen4 and "avx512_bf16" in flags) or cpu_lora.dpbf16_half_rate()
+    """Whether the lm_head, one pass over a vocabulary of rows, takes the native projection for
+    decode steps as well: where that takes every batch (cpu_lora.CpuLinearBf16.any_rows), it
+    was measured faster at the lm_head too (SmolLM2's 49,152 x 576, 32 rows: with AMX 1.74
+    against oneDNN's 2.09 ms on a 2-core Xeon; on Zen 4, 4.8 against 5.3 ms; in the FMA build
+    347 against 215 GFLOP/s); not on Zen 5, where oneDNN streamed it faster."""
+    kernel = cpu_lora.load_linear()
+    return kernel is not None and kernel.any_rows
 
 
 class Linear:
     """y = x W^T (+ b), with W stored however the device runs it fastest.
 
     With `decode_kernel` and where choose_linear_bf16 offers it, batches of up to
-    NATIVE_LINEAR_MAX_ROWS rows (decode steps; any batch with AMX and in its FMA build, where it
-    is as fast or faster for all) go through the native bfloat16 projection, which
+    NATIVE_LINEAR_MAX_ROWS rows (decode steps; any batch with AMX, in its FMA build and on Zen 4,
+    where it is as fast or faster for all) go through the native bfloat16 projection, which
     makes the LoRA call after it in the same native call (`lora`) and, on AVX512-BF16, brings
     that call's adapter rows into cache while it computes (`fetch`); this keeps a second copy of
     W, packed for it, beside oneDNN's for larger batches, but where it takes every product and

@@ -87,18 +87,18 @@ def test_rows_a_stride_apart_and_larger_batches_agree(build):
     wide = torch.randn(70, 256).bfloat16()
     x = wide[:, :128]  # rows 256 apart
     assert_within_a_rounding_step(linear(x[:32]), reference(x[:32], weight, None))
-    # past NATIVE_LINEAR_MAX_ROWS: oneDNN's kernels, or the native ones with AMX and in the FMA
-    # build
+    # past NATIVE_LINEAR_MAX_ROWS: oneDNN's kernels, or the native ones with AMX, on Zen 4 and in
+    # the FMA build
     assert_within_a_rounding_step(linear(x), reference(x, weight, None))
     batched = torch.randn(2, 35, 128).bfloat16()  # not 2-D (the FMA build keeps no other copy)
     assert_within_a_rounding_step(linear(batched), reference(batched, weight, None))
 
 
 def test_where_it_takes_every_batch_a_row_gives_the_same_bits_in_any_batch(build):
-    """With AMX and in the FMA build the native projection takes batches of any size, each row's
-    sums kept apart from the other rows': a token's projection is the same bits whether it runs
-    alone, in a decode batch or in a prompt chunk (112 inputs: with AMX, three steps of tiles and a
-    vdpbf16ps tail)."""
+    """With AMX, on Zen 4 and in the FMA build the native projection takes batches of any size,
+    each row's sums kept apart from the other rows': a token's projection is the same bits whether
+    it runs alone, in a decode batch or in a prompt chunk (112 inputs: with AMX, three steps of
+    tiles and a vdpbf16ps tail)."""
     torch.manual_seed(1)
     weight = (torch.randn(200, 112) * 0.2).bfloat16()
     linear = device.Linear(weight, torch.randn(200).bfloat16())
