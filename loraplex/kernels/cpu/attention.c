@@ -81,9 +81,18 @@ static inline void fetch_at(Fetch fetch, int64_t t) {
 DEFINE_PASSES(scores_f32_any, values_f32_any, float, dot_f32, axpy_f32)
 DEFINE_PASSES(scores_bf16_any, values_bf16_any, uint16_t, dot_bf16, axpy_bf16)
 
+/* The largest of x[0 .. n), NaNs passed over (-INFINITY if all are); with AVX-512 sixteen at a
+ * time, where the one-by-one loop's chain of dependent comparisons took a tenth of a prompt
+ * token's attention (a token attends to few keys, and the loop ran for each of its heads) */
 static inline float max_of(const float *x, int64_t n) {
+    int64_t i = 0;
     float top = -INFINITY;
-    for (int64_t i = 0; i < n; i++) top = x[i] > top ? x[i] : top;
+#if defined(__AVX512F__)
+    __m512 tops = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= n; i += 16) tops = _mm512_max_ps(_mm512_loadu_ps(x + i), tops);
+    top = _mm512_reduce_max_ps(tops);
+#endif
+    for (; i < n; i++) top = x[i] > top ? x[i] : top;
     return top;
 }
 
@@ -477,7 +486,7 @@ static inline float f32_identity(float v) { return v; }
  * queries widened and scaled into float32, the result rounded back. A thread claims its next
  * item before it starts on the one in hand (first come, first served, as a dynamic schedule),
  * so that it can fetch the next one's rows while it works (plan_fetches). */
-#define DEFINE_ATTEND_DECODE(NAME, T, GROUP, TO_F32, FROM_F32, UPCOMING)                                \
+#define DEFINE_ATTEND_DECODE(NAME, T, GROUP, TO_F32, FROM_F32, UPCOMING, TAKES_QF)                \
     int NAME(const T *q, T *out, const T *kv, int64_t page_stride, const int64_t *tables,     \
              int64_t table_stride, const int64_t *lens, int64_t n, int64_t heads,              \
              int64_t kv_heads, int64_t dim, int64_t page_size, float scale, int num_threads) { \
@@ -510,7 +519,8 @@ static inline float f32_identity(float v) { return v; }
                 for (int64_t kvh = item % split * part; kvh < (item % split + 1) * part; kvh++) { \
                     const int64_t first = (b * heads + kvh * g) * dim; /* the group's first */ \
                     float qf[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM];                  \
-                    for (int64_t k = 0; k < g * dim; k++) qf[k] = TO_F32(q[first + k]) * scale; \
+                    if (TAKES_QF(dim))                                                        \
+                        for (int64_t k = 0; k < g * dim; k++) qf[k] = TO_F32(q[first + k]) * scale; \
                     failed |= GROUP(qf, q + first, scale, acc, kv, table, lens[b], upcoming,  \
                                     next_len, g, kv_heads, kvh, dim, page_size, page_stride);  \
                     for (int64_t k = 0; k < g * dim; k++) out[first + k] = FROM_F32(acc[k]);  \
@@ -522,7 +532,16 @@ static inline float f32_identity(float v) { return v; }
         return failed ? 2 : 0;                                                                \
     }
 
+/* Whether a group's scores pass takes the query widened and scaled (qf): not the bfloat16 one
+ * through dot products (SCORES_BY_DOT), which takes it as stored */
+#define ALWAYS_QF(dim) 1
+#if defined(SCORES_BY_DOT)
+#define BF16_QF(dim) ((dim) % 64 != 0)
+#else
+#define BF16_QF(dim) 1
+#endif
+
 DEFINE_ATTEND_DECODE(attend_decode_f32, float, attend_group_f32, f32_identity, f32_identity,
-                     UPCOMING_F32)
+                     UPCOMING_F32, ALWAYS_QF)
 DEFINE_ATTEND_DECODE(attend_decode_bf16, uint16_t, attend_group_bf16, bf16_to_f32, f32_to_bf16,
-                     UPCOMING_BF16)
+                     UPCOMING_BF16, BF16_QF)
