@@ -482,9 +482,10 @@ static inline float f32_identity(float v) { return v; }
 
 /* The entry point for one storage type: each query row on its own (a decode token, or a prompt
  * token), its kv heads in turn (each kv head on its own when there are few rows), each group's
- * queries widened and scaled into float32, the result rounded back. A thread claims its next
- * item before it starts on the one in hand (first come, first served, as a dynamic schedule),
- * so that it can fetch the next one's rows while it works (plan_fetches). */
+ * queries widened and scaled into float32 where its scores pass takes them so (TAKES_QF), the
+ * result rounded back. A thread claims its next item before it starts on the one in hand
+ * (first come, first served, as a dynamic schedule), so that it can fetch the next one's rows
+ * while it works (plan_fetches). */
 #define DEFINE_ATTEND_DECODE(NAME, T, GROUP, TO_F32, FROM_F32, UPCOMING, TAKES_QF)                \
     int NAME(const T *q, T *out, const T *kv, int64_t page_stride, const int64_t *tables,     \
              int64_t table_stride, const int64_t *lens, int64_t n, int64_t heads,              \

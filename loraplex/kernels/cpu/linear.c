@@ -203,8 +203,10 @@ static int linear_threads(const LinearCall *call, int num_threads) {
 #else
 int linear_native_bf16(void) { return 1; }
 int linear_fetches_bf16(void) { return 1; }
-/* Whether the projection is the faster one for any number of rows, not for decode steps only:
- * in the FMA build, where oneDNN's bfloat16 kernels take the slow vdpbf16ps (below). */
+/* Whether the projection is the faster one for any number of rows, not for decode steps only,
+ * as far as the build can tell: in the FMA build, where oneDNN's bfloat16 kernels take the slow
+ * vdpbf16ps (below). The vdpbf16ps build is also faster for any number of rows on Zen 4 but not
+ * on Zen 5, a choice by CPU model that cpu_lora.CpuLinearBf16 adds (zen4_bf16). */
 #if defined(BF16_BY_FMA)
 int linear_any_rows_bf16(void) { return 1; }
 #else
