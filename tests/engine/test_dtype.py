@@ -9,6 +9,7 @@ import torch
 from loraplex import SamplingParams
 from loraplex.engine import device
 from loraplex.engine.config import EngineConfig
+from loraplex.kernels import cpu_lora
 from tests.factories import cpu_flags, make_llm
 
 
@@ -26,6 +27,30 @@ def test_auto_on_a_cpu_with_and_without_native_bfloat16(monkeypatch, native, exp
     for explicit in ("float32", "bfloat16", "float16"):  # an explicit choice always wins
         assert device.choose_dtype(explicit, "cpu") == explicit
         assert EngineConfig(dtype=explicit).dtype == explicit
+
+
+@pytest.mark.parametrize(
+    "vendor, family, flags, fma_build, zen4",
+    [
+        ("AuthenticAMD", "25", "avx2 avx512f avx512_bf16", False, True),  # Zen 4
+        ("AuthenticAMD", "26", "avx2 avx512f avx512_bf16", False, False),  # Zen 5
+        ("AuthenticAMD", "25", "avx2", False, False),  # Zen 3: family 25, no AVX-512
+        ("GenuineIntel", "6", "avx2 avx512f avx512_bf16", True, False),  # AVX512-BF16, no AMX
+        ("GenuineIntel", "6", "avx2 avx512f avx512_bf16 amx_bf16", False, False),  # AMX
+    ],
+)
+def test_the_bfloat16_kernels_follow_the_cpu_model(
+    monkeypatch, vendor, family, flags, fma_build, zen4
+):
+    """Which bfloat16 build and projection a CPU gets, from what /proc/cpuinfo reports: the FMA
+    build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
+    vdpbf16ps CPUs the native projection for prompt chunks and the lm_head as well."""
+    info = {"vendor_id": vendor, "cpu family": family, "flags": flags}
+    monkeypatch.setattr(cpu_lora, "cpu_info", lambda: info)
+    monkeypatch.setattr(cpu_lora, "cpu_flags", lambda: frozenset(flags.split()))
+    assert cpu_lora.dpbf16_half_rate() == fma_build
+    assert ("-DBF16_BY_FMA" in cpu_lora.build_flags()) == fma_build
+    assert cpu_lora.zen4_bf16() == zen4
 
 
 def test_unknown_dtype_is_refused():
