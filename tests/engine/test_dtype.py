@@ -51,6 +51,10 @@ def test_the_bfloat16_kernels_follow_the_cpu_model(
     assert cpu_lora.dpbf16_half_rate() == fma_build
     assert ("-DBF16_BY_FMA" in cpu_lora.build_flags()) == fma_build
     assert cpu_lora.zen4_bf16() == zen4
+    lib = cpu_lora.library()  # built for this machine
+    if lib is not None and lib.linear_native_bf16() and not lib.linear_any_rows_bf16():
+        # the vdpbf16ps build, which cannot tell Zen 4 from Zen 5: the CPU model decides
+        assert cpu_lora.CpuLinearBf16(lib).any_rows == zen4
 
 
 def test_unknown_dtype_is_refused():
