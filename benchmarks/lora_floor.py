@@ -138,6 +138,14 @@ def beside_pairs(steps: Steps, size: int) -> str:
     )
 
 
+def step_against_base(steps: Steps) -> str:
+    """A measurement's median step with LoRA against the same batch's without."""
+    return (
+        f"step {steps.with_lora * 1e3:6.2f} ms against base {steps.without * 1e3:6.2f} ms "
+        f"({steps.without / steps.with_lora:.2f}x base throughput)"
+    )
+
+
 def adapter_bytes(engine) -> int:
     """Bytes of the weights of every resident adapter, at the pool's dtype."""
     return sum(resident.nbytes for resident in engine.adapters.resident.values())
@@ -231,18 +239,13 @@ def main() -> None:
         r, size = results[name], floors[name]
         floor = size / bandwidth
         print(
-            f"{n} adapters on {name:3s}: step {r.with_lora * 1e3:6.2f} ms against base "
-            f"{r.without * 1e3:6.2f} ms ({r.without / r.with_lora:.2f}x base throughput); "
-            f"adapter bytes per step {size / 2**20:6.1f} MiB; floor {floor * 1e3:5.2f} ms; "
+            f"{n} adapters on {name:3s}: {step_against_base(r)}; adapter bytes per step "
+            f"{size / 2**20:6.1f} MiB; floor {floor * 1e3:5.2f} ms; "
             f"extra over base {r.extra * 1e3:6.2f} ms = {r.extra / floor:.2f}x floor"
         )
         print(f"    {beside_pairs(r, size)}")
         r = again[name]
-        print(
-            f"    again after the strategies: step {r.with_lora * 1e3:6.2f} ms against base "
-            f"{r.without * 1e3:6.2f} ms ({r.without / r.with_lora:.2f}x base throughput); "
-            f"{beside_pairs(r, size)}"
-        )
+        print(f"    again after the strategies: {step_against_base(r)}; {beside_pairs(r, size)}")
     if backend == "native":
         where = "the layer before's gate_up" if placement else "the q,k,v projection itself"
         print(f"q,v rows fetched (where the build fetches) by {where}: the engine's timed choice")

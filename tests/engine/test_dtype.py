@@ -45,13 +45,15 @@ def test_the_bfloat16_kernels_follow_the_cpu_model(
     """Which bfloat16 build and projection a CPU gets, from what /proc/cpuinfo reports: the FMA
     build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
     vdpbf16ps CPUs the native projection for prompt chunks and the lm_head as well."""
+    # this machine's build, taken before the CPU is faked: library() keeps what it first builds
+    # for the process, and a faked CPU would have it build (and keep) that CPU's
+    lib = cpu_lora.library()
     info = {"vendor_id": vendor, "cpu family": family, "flags": flags}
     monkeypatch.setattr(cpu_lora, "cpu_info", lambda: info)
     monkeypatch.setattr(cpu_lora, "cpu_flags", lambda: frozenset(flags.split()))
     assert cpu_lora.dpbf16_half_rate() == fma_build
     assert ("-DBF16_BY_FMA" in cpu_lora.build_flags()) == fma_build
     assert cpu_lora.zen4_bf16() == zen4
-    lib = cpu_lora.library()  # built for this machine
     if lib is not None and lib.linear_native_bf16() and not lib.linear_any_rows_bf16():
         # the vdpbf16ps build, which cannot tell Zen 4 from Zen 5: the CPU model decides
         assert cpu_lora.CpuLinearBf16(lib).any_rows == zen4

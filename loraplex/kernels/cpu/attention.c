@@ -156,6 +156,7 @@ static void values_f32(float *acc, const float *scores, const float *const *keys
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BF16_BLOCKS(dim) ((dim) % 64 == 0) /* whether the passes below take heads dim wide */
 /* bfloat16 heads a multiple of 64 wide, with AVX-512: 64 elements at a time, G query heads
  * (up to 4) at a time, so that each key or value row is loaded once for the G heads. A row's 64
  * bfloat16 are two vectors, each taken as its even and its odd elements widened to float32 (one
@@ -343,7 +344,7 @@ static const ValuesPass VALUES_BF16[4] = {values_bf16_1, values_bf16_2, values_b
 static void scores_bf16(const float *qf, const uint16_t *q, float scale,
                         const uint16_t *const *keys, Fetch fetch, int64_t len, int64_t g,
                         int64_t dim, float *scores, float *top) {
-    if (dim % 64 != 0) {
+    if (!BF16_BLOCKS(dim)) {
         scores_bf16_any(qf, keys, fetch, len, g, dim, scores, top);
         return;
     }
@@ -365,7 +366,7 @@ static void scores_bf16(const float *qf, const uint16_t *q, float scale,
 
 static void values_bf16(float *acc, const float *scores, const uint16_t *const *keys,
                         Fetch fetch, int64_t to_value, int64_t len, int64_t g, int64_t dim) {
-    if (dim % 64 != 0) {
+    if (!BF16_BLOCKS(dim)) {
         values_bf16_any(acc, scores, keys, fetch, to_value, len, g, dim);
         return;
     }
@@ -536,7 +537,7 @@ static inline float f32_identity(float v) { return v; }
  * through dot products (SCORES_BY_DOT), which takes it as stored */
 #define ALWAYS_QF(dim) 1
 #if defined(SCORES_BY_DOT)
-#define BF16_QF(dim) ((dim) % 64 != 0)
+#define BF16_QF(dim) (!BF16_BLOCKS(dim)) /* the passes for other widths take qf */
 #else
 #define BF16_QF(dim) 1
 #endif
