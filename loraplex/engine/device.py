@@ -9,9 +9,10 @@ On CPU, dense projections run through oneDNN with weights prepacked once at load
 2-core AVX-512 machines loraplex is developed on, that is 2-3x faster than the default BLAS path
 for the 32-to-256-row batches of a serving step, and still IEEE float32. In bfloat16, a decode
 step's products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel instead, on AMX
-tiles or AVX512-BF16 dot products (choose_linear_bf16); with AMX, in its FMA build and on Zen 4,
-every product does. Anywhere else (CUDA, or a CPU build without oneDNN),
-`torch.nn.functional.linear`.
+tiles or AVX512-BF16 dot products (choose_linear); with AMX, in its FMA build and on Zen 4,
+every product does. In float32 on Zen 4, a decode step's products go through the native float32
+kernel (IEEE products and sums, in another order than oneDNN's). Anywhere else (CUDA, or a CPU
+build without oneDNN), `torch.nn.functional.linear`.
 """
 
 from __future__ import annotations
@@ -151,35 +152,38 @@ _PACKING_ROWS_HINT = 64
 NATIVE_LINEAR_MAX_ROWS = 32
 
 
-def choose_linear_bf16(weight: torch.Tensor):
-    """The native bfloat16 projection (cpu_lora.CpuLinearBf16) for a bfloat16 CPU weight on a
-    CPU with AMX or AVX512-BF16, where it builds; None elsewhere, and in float32 (oneDNN's IEEE
-    products). LORAPLEX_ONEDNN_LINEAR=1 keeps oneDNN's alone."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+def choose_linear(weight: torch.Tensor):
+    """The native projection for a CPU weight, where it builds and runs natively for the weight's
+    dtype: bfloat16 on a CPU with AMX or AVX512-BF16 (cpu_lora.CpuLinearBf16), float32 on Zen 4
+    (cpu_lora.CpuLinearF32); None elsewhere. LORAPLEX_ONEDNN_LINEAR=1 keeps oneDNN's alone."""
+    if weight.device.type != "cpu" or os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1":
         return None
-    if os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1":
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
+        kernel = cpu_lora.load_linear()
+    elif weight.dtype == torch.float32:
+        kernel = cpu_lora.load_linear_f32()
+    else:
         return None
-    kernel = cpu_lora.load_linear()
     return kernel if kernel is not None and kernel.supports(weight.dtype) else None
 
 
-def native_lm_head() -> bool:
+def native_lm_head(dtype: torch.dtype) -> bool:
     """Whether the lm_head, one pass over a vocabulary of rows, takes the native projection for
-    decode steps as well: where that takes every batch (cpu_lora.CpuLinearBf16.any_rows), it
+    decode steps as well. In bfloat16, where that takes every batch (CpuLinearBf16.any_rows), it
     was measured faster at the lm_head too (SmolLM2's 49,152 x 576, 32 rows: with AMX 1.74
     against oneDNN's 2.09 ms on a 2-core Xeon; on Zen 4, 4.8 against 5.3 ms; in the FMA build
-    347 against 215 GFLOP/s); not on Zen 5, where oneDNN streamed it faster."""
+    347 against 215 GFLOP/s); not on Zen 5, where oneDNN streamed it faster. Not in float32."""
     kernel = cpu_lora.load_linear()
-    return kernel is not None and kernel.any_rows
+    return dtype == torch.bfloat16 and kernel is not None and kernel.any_rows
 
 
 class Linear:
     """y = x W^T (+ b), with W stored however the device runs it fastest.
 
-    With `decode_kernel` and where choose_linear_bf16 offers it, batches of up to
-    NATIVE_LINEAR_MAX_ROWS rows (decode steps; any batch with AMX, in its FMA build and on Zen 4,
-    where it is as fast or faster for all) go through the native bfloat16 projection, which
-    makes the LoRA call after it in the same native call (`lora`) and, on AVX512-BF16, brings
+    With `decode_kernel` and where choose_linear offers it, batches of up to
+    NATIVE_LINEAR_MAX_ROWS rows (decode steps; in bfloat16 any batch with AMX, in its FMA build
+    and on Zen 4, where it is as fast or faster for all) go through the native projection, which
+    makes the LoRA call after it in the same native call (`lora`) and, but with AMX, brings
     that call's adapter rows into cache while it computes (`fetch`); this keeps a second copy of
     W, packed for it, beside oneDNN's for larger batches, but where it takes every product and
     keeps the one copy."""
@@ -190,7 +194,7 @@ class Linear:
         self.bias = bias.contiguous() if bias is not None else None
         self.out_features, self.in_features = weight.shape
         self._packed = None
-        self._native = choose_linear_bf16(weight) if decode_kernel else None
+        self._native = choose_linear(weight) if decode_kernel else None
         self._native_packed = self._native.pack(weight) if self._native is not None else None
         self.weight: torch.Tensor | None = weight
         # the native projection takes every product, of any shape (AMX, its FMA build)

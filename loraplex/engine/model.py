@@ -68,7 +68,7 @@ class CausalLM:
         self.embed = weights.embed  # [vocab, hidden]
         self.layers = [Layer.from_weights(w) for w in weights.layers]
         self.final_norm = weights.final_norm
-        self.lm_head = Linear(weights.lm_head, decode_kernel=native_lm_head())
+        self.lm_head = Linear(weights.lm_head, decode_kernel=native_lm_head(weights.lm_head.dtype))
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
         self._bf16_ops = choose_bf16_ops(device, dtype)

@@ -3,9 +3,10 @@ into one library, loaded with ctypes. The LoRA kernel is called once per (layer,
 input, group of runs): q, k and v in one call, gate and up in one; the attention kernel
 (`CpuAttentionKernel`: decode tokens, and in bfloat16 prompt tokens too) once per layer, as are
 a bfloat16 model's norms and rotary embedding (`CpuBf16Ops`); greedy sampling's argmax
-(`CpuArgmax`) once per step; on CPUs with AVX512-BF16, a bfloat16 decode step's dense
-projections (`CpuLinearBf16`; every product with AMX, in its FMA build and on Zen 4), each
-bringing the adapter rows of the LoRA call after it into cache while it computes (`Fetch`).
+(`CpuArgmax`) once per step; on CPUs with AMX or AVX512-BF16, a bfloat16 decode step's dense
+projections (`CpuLinearBf16`; every product with AMX, in its FMA build and on Zen 4), and on Zen 4
+a float32 one's (`CpuLinearF32`), each making the LoRA call after it in the same native call and,
+but with AMX, bringing that call's adapter rows into cache while it computes (`Fetch`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -99,16 +100,21 @@ def dpbf16_half_rate() -> bool:
     return intel and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
-def zen4_bf16() -> bool:
-    """Whether the CPU is AMD's Zen 4 with AVX512-BF16 (family 25; Zen 3, also family 25, has no
-    AVX-512), where the native bfloat16 projection outruns oneDNN's at every batch size: on a
-    2-core EPYC (family 25, model 17), SmolLM2's projections over 30 layers took 0.76-0.78x
-    oneDNN's time at 32-33 rows and 0.84-0.92x at 64-256 (benchmarks/prompt_projection.py),
-    the lm_head's 49,152 x 576 at 32 rows 4.8 against 5.3 ms. On Zen 5, oneDNN's kernels win
-    past decode-sized batches (256 rows: 0.77x its speed) and at the lm_head."""
+def zen4() -> bool:
+    """Whether the CPU is AMD's Zen 4 (family 25 with AVX-512; Zen 3, also family 25, has none)."""
     info = cpu_info()
     amd_family_25 = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
-    return amd_family_25 and "avx512_bf16" in cpu_flags()
+    return amd_family_25 and "avx512f" in cpu_flags()
+
+
+def zen4_bf16() -> bool:
+    """Whether the CPU is AMD's Zen 4 with AVX512-BF16 (zen4), where the native bfloat16
+    projection outruns oneDNN's at every batch size: on a 2-core EPYC (family 25, model 17),
+    SmolLM2's projections over 30 layers took 0.76-0.78x oneDNN's time at 32-33 rows and
+    0.84-0.92x at 64-256 (benchmarks/prompt_projection.py), the lm_head's 49,152 x 576 at 32
+    rows 4.8 against 5.3 ms. On Zen 5, oneDNN's kernels win past decode-sized batches (256 rows:
+    0.77x its speed) and at the lm_head."""
+    return zen4() and "avx512_bf16" in cpu_flags()
 
 
 def build_flags() -> tuple[str, ...]:
@@ -450,39 +456,38 @@ class Fetch:
 _NO_FETCH = (None, None, 0)
 
 
-class CpuLinearBf16(_PerDtype):
-    """bfloat16 dense projections on CPUs with AMX or AVX512-BF16 (cpu/linear.c): y = x W^T
-    (+ b) with W packed once. It supports bfloat16 only where the library was compiled for
-    either (and, with AMX, Linux grants the tiles), and nothing elsewhere. `fetches`: whether
-    it takes memory ranges to bring into cache meanwhile (not with AMX, where the products are
-    bound by memory themselves). `any_rows`: whether it is the faster projection for any number
-    of rows, not for decode steps only (with AMX, in its FMA build, and on Zen 4: zen4_bf16).
-    Wherever it runs, it also makes the LoRA call after it in the same native call."""
+class _NativeLinear(_PerDtype):
+    """A dense projection of the library's (y = x W^T (+ b) with W packed once) in one dtype,
+    where it runs natively: `fetches`, whether it takes memory ranges to bring into cache
+    meanwhile; `any_rows`, whether it is the faster projection for any number of rows, not for
+    decode steps only. Wherever it runs, it also makes the LoRA call after it in the same
+    native call."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    dtype: torch.dtype
+    fetches = any_rows = False
+
+    def __init__(self, lib: ctypes.CDLL, native: bool) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
         argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
         argtypes += [ctypes.c_int64, ctypes.c_int]
-        bf16 = {torch.bfloat16: "bf16"}
-        native = bool(lib.linear_native_bf16())
-        self.fetches = native and bool(lib.linear_fetches_bf16())
-        self.any_rows = native and (bool(lib.linear_any_rows_bf16()) or zen4_bf16())
-        self._functions = _bind(lib, "linear", argtypes, ctypes.c_int, bf16) if native else {}
+        one = {self.dtype: _DTYPES[self.dtype]}
+        self._functions = _bind(lib, "linear", argtypes, ctypes.c_int, one) if native else {}
         fused = [*argtypes[:-1], ctypes.c_void_p]  # the projection's but its threads, a binding
-        self._fused = _bind(lib, "linear_lora", fused, ctypes.c_int, bf16) if native else {}
+        self._fused = _bind(lib, "linear_lora", fused, ctypes.c_int, one) if native else {}
         numel = [ctypes.c_int64] * 2
-        self._numel = _bind(lib, "linear_packed_numel", numel, ctypes.c_int64, bf16)[torch.bfloat16]
+        self._numel = _bind(lib, "linear_packed_numel", numel, ctypes.c_int64, one)[self.dtype]
         pack = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        self._pack = _bind(lib, "linear_pack", pack, ctypes.c_int, bf16)[torch.bfloat16]
+        self._pack = _bind(lib, "linear_pack", pack, ctypes.c_int, one)[self.dtype]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight [n, k] bfloat16 (k even) -> its packed copy, 1-D."""
+        """weight [n, k] of the projection's dtype -> its packed copy, 1-D."""
         n, k = weight.shape
-        if weight.dtype != torch.bfloat16 or k % 2:
-            raise ValueError("the packed bfloat16 projection takes a bfloat16 [n, k], k even")
+        if weight.dtype != self.dtype or (self.dtype == torch.bfloat16 and k % 2):
+            raise ValueError(f"the packed projection takes a {self.dtype} [n, k], k even in bf16")
         weight = weight.contiguous()
-        packed = torch.empty(self._numel(n, k), dtype=torch.bfloat16)
-        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        packed = torch.empty(self._numel(n, k), dtype=self.dtype)
+        if self._pack(weight.data_ptr(), n, k, packed.data_ptr()) != 0:
+            raise ValueError("the packed projection does not run here")
         return packed
 
     def __call__(
@@ -494,15 +499,15 @@ class CpuLinearBf16(_PerDtype):
         fetch: Fetch | None = None,
         lora: BoundLoRA | None = None,
     ) -> torch.Tensor:
-        """x [..., k] bfloat16 -> [..., n] bfloat16; the memory ranges of `fetch` (only where
-        `fetches`) brought into cache meanwhile; then the LoRA call `lora` on (x, y) in the
-        same native call (x 2-D)."""
+        """x [..., k] -> [..., n] of the projection's dtype; the memory ranges of `fetch` (only
+        where `fetches`) brought into cache meanwhile; then the LoRA call `lora` on (x, y) in
+        the same native call (x 2-D)."""
         flat = x.dim() == 2  # a decode step's rows: no reshaping either way (about 1.5 us)
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         rows, k = x2.shape
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        y = torch.empty(rows, n, dtype=self.dtype)
         if rows:
             projection = (
                 x2.data_ptr(), x2.stride(0), rows, k, packed.data_ptr(), n,
@@ -510,12 +515,40 @@ class CpuLinearBf16(_PerDtype):
                 *(fetch.pointers if fetch else _NO_FETCH),
             )  # fmt: skip
             if lora is not None and lora.takes(x2, y):
-                status = self._fused[torch.bfloat16](*projection, lora.binding)
+                status = self._fused[self.dtype](*projection, lora.binding)
             else:
-                status = self._functions[torch.bfloat16](*projection, torch.get_num_threads())
+                status = self._functions[self.dtype](*projection, torch.get_num_threads())
             if status != 0:
-                raise ValueError(f"the packed bfloat16 projection cannot run here ({status})")
+                raise ValueError(f"the packed projection cannot run here ({status})")
         return y if flat else y.view(*x.shape[:-1], n)
+
+
+class CpuLinearBf16(_NativeLinear):
+    """bfloat16 dense projections on CPUs with AMX or AVX512-BF16 (cpu/linear.c). It supports
+    bfloat16 only where the library was compiled for either (and, with AMX, Linux grants the
+    tiles), and nothing elsewhere. It fetches but with AMX, where the products are bound by
+    memory themselves; it takes any rows with AMX, in its FMA build, and on Zen 4 (zen4_bf16)."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        native = bool(lib.linear_native_bf16())
+        super().__init__(lib, native)
+        self.fetches = native and bool(lib.linear_fetches_bf16())
+        self.any_rows = native and (bool(lib.linear_any_rows_bf16()) or zen4_bf16())
+
+
+class CpuLinearF32(_NativeLinear):
+    """float32 dense projections for decode steps (cpu/linear_f32.c), fetching the LoRA call's
+    rows meanwhile, where they were measured faster than oneDNN's: on Zen 4 (zen4), in the
+    builds with AVX-512. Prompt chunks keep oneDNN's (256 rows: 1.13x its time there)."""
+
+    dtype = torch.float32
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        native = bool(lib.linear_native_f32()) and zen4()
+        super().__init__(lib, native)
+        self.fetches = native
 
 
 load = _loader(CpuLoRAKernel)
@@ -523,3 +556,4 @@ load_attention = _loader(CpuAttentionKernel)
 load_bf16_ops = _loader(CpuBf16Ops)
 load_argmax = _loader(CpuArgmax)
 load_linear = _loader(CpuLinearBf16)
+load_linear_f32 = _loader(CpuLinearF32)

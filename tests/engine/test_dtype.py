@@ -44,7 +44,8 @@ def test_the_bfloat16_kernels_follow_the_cpu_model(
 ):
     """Which bfloat16 build and projection a CPU gets, from what /proc/cpuinfo reports: the FMA
     build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
-    vdpbf16ps CPUs the native projection for prompt chunks and the lm_head as well."""
+    vdpbf16ps CPUs the native projection for prompt chunks and the lm_head as well; and the
+    native float32 projection on Zen 4 alone (where the library has it: AVX-512)."""
     # this machine's build, taken before the CPU is faked: library() keeps what it first builds
     # for the process, and a faked CPU would have it build (and keep) that CPU's
     lib = cpu_lora.library()
@@ -57,6 +58,10 @@ def test_the_bfloat16_kernels_follow_the_cpu_model(
     if lib is not None and lib.linear_native_bf16() and not lib.linear_any_rows_bf16():
         # the vdpbf16ps build, which cannot tell Zen 4 from Zen 5: the CPU model decides
         assert cpu_lora.CpuLinearBf16(lib).any_rows == zen4
+    if lib is not None and lib.linear_native_f32():
+        assert cpu_lora.CpuLinearF32(lib).supports(torch.float32) == zen4
+        assert cpu_lora.CpuLinearF32(lib).fetches == zen4
+        assert not cpu_lora.CpuLinearF32(lib).supports(torch.bfloat16)
 
 
 def test_unknown_dtype_is_refused():

@@ -1,10 +1,11 @@
-"""The native bfloat16 projection (CPUs with AMX or AVX512-BF16; each of its kernels runs where
+"""The native projections. bfloat16 (CPUs with AMX or AVX512-BF16; each of its kernels runs where
 the CPU has it, and the vdpbf16ps and FMA builds both run on every CPU with AVX512-BF16): the
 product rounded once, whatever the shape (with AMX, input widths that are not a multiple of 32
 end in a vdpbf16ps tail); decode-sized batches take it and larger ones oneDNN (or it too, with
 AMX and in the FMA build: rows 32 at a time), with the same results to a rounding step; and the
 adapter rows a fetching projection is asked to bring into cache are exactly those the LoRA call
-after it reads."""
+after it reads. float32 (Zen 4): the product to float32's precision, and with its LoRA call in
+the same native call, the bits of the two apart."""
 
 from __future__ import annotations
 
@@ -22,9 +23,13 @@ from loraplex.kernels import cpu_lora
 from tests.factories import make_llm
 from tests.kernels.test_lora_kernels import other_bf16_flags
 
-pytestmark = pytest.mark.skipif(
-    device.choose_linear_bf16(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
+bf16_native = pytest.mark.skipif(
+    device.choose_linear(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
     reason="the native bfloat16 projection does not run on this CPU",
+)
+f32_native = pytest.mark.skipif(
+    device.choose_linear(torch.zeros(2, 2)) is None,
+    reason="the native float32 projection does not run on this CPU",
 )
 STEP = 2.0**-7  # a bfloat16 rounding step, relative
 
@@ -49,7 +54,7 @@ def build(request, monkeypatch):
     other (Linear takes it)."""
     if request.param == "other build":
         kernel = request.getfixturevalue("other_build")
-        monkeypatch.setattr(device, "choose_linear_bf16", lambda weight: kernel)
+        monkeypatch.setattr(device, "choose_linear", lambda weight: kernel)
     return request.param
 
 
@@ -65,6 +70,7 @@ def assert_within_a_rounding_step(got, want):
     assert bool((gap <= STEP * want.float().abs() + 1e-6).all()), float(gap.max())
 
 
+@bf16_native
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 31, 32, 33, 48, 70])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 64), (17, 18), (97, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -80,6 +86,7 @@ def test_native_projection_is_the_product_rounded_once(
     assert_within_a_rounding_step(linear(x), reference(x, weight, bias))
 
 
+@bf16_native
 def test_rows_a_stride_apart_and_larger_batches_agree(build):
     torch.manual_seed(0)
     weight = (torch.randn(300, 128) * 0.2).bfloat16()
@@ -94,6 +101,7 @@ def test_rows_a_stride_apart_and_larger_batches_agree(build):
     assert_within_a_rounding_step(linear(batched), reference(batched, weight, None))
 
 
+@bf16_native
 def test_where_it_takes_every_batch_a_row_gives_the_same_bits_in_any_batch(build):
     """With AMX, on Zen 4 and in the FMA build the native projection takes batches of any size,
     each row's sums kept apart from the other rows': a token's projection is the same bits whether
@@ -110,13 +118,15 @@ def test_where_it_takes_every_batch_a_row_gives_the_same_bits_in_any_batch(build
         assert torch.equal(linear(x[start:end]), whole[start:end]), (start, end)
 
 
+@bf16_native
 def test_odd_input_width_keeps_onednn():
     weight = torch.randn(8, 7).bfloat16()
-    assert device.choose_linear_bf16(weight) is None
+    assert device.choose_linear(weight) is None
     x = torch.randn(3, 7).bfloat16()
     assert_within_a_rounding_step(device.Linear(weight)(x), reference(x, weight, None))
 
 
+@bf16_native
 def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adapters):
     """For a decode batch over several adapters (different ranks and modules), the ranges a
     projection fetches for a LoRA call are each token's adapter rows for the call's modules, in
@@ -151,18 +161,30 @@ def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adap
         assert got == want, layer
 
 
+@bf16_native
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70])  # 70: past NATIVE_LINEAR_MAX_ROWS
 def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(build, rows):
     """q, k and v's projection and LoRA call (tokens on three adapters in any order, runs of
     one) in one native call: the bits of the projection, then the call, apart, for a call on
     every row or on the later rows alone; a product that cannot take the call (past
     NATIVE_LINEAR_MAX_ROWS, but in the FMA build) is refused it."""
+    projection_and_call_give_their_bits_apart(rows, torch.bfloat16)
+
+
+@f32_native
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70])
+def test_float32_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(rows):
+    """The same in float32, where decode-sized batches take the native projection."""
+    projection_and_call_give_their_bits_apart(rows, torch.float32)
+
+
+def projection_and_call_give_their_bits_apart(rows: int, dtype: torch.dtype) -> None:
     torch.manual_seed(rows)
     fin, widths, rank, adapters = 576, (576, 192, 192), 8, 3
-    weight = (torch.randn(sum(widths), fin) * 0.05).bfloat16()
+    weight = (torch.randn(sum(widths), fin) * 0.05).to(dtype)
     linear = device.Linear(weight)
-    a = (torch.randn(len(widths), adapters * rank, fin) * 0.05).bfloat16()
-    b = [(torch.randn(adapters * rank, width) * 0.05).bfloat16() for width in widths]
+    a = (torch.randn(len(widths), adapters * rank, fin) * 0.05).to(dtype)
+    b = [(torch.randn(adapters * rank, width) * 0.05).to(dtype) for width in widths]
     pool = torch.cat([a.flatten(), *[m.flatten() for m in b]])
     a_rows = (torch.arange(a.shape[0] * a.shape[1]) * fin).view(a.shape[0], a.shape[1])
     b_rows, at = [], a.numel()
@@ -175,7 +197,7 @@ def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart
     call = cpu_lora.load().bind(
         pool, a_rows, torch.stack(b_rows), slots, rank, scales, outputs, 0, rows
     )
-    x = torch.randn(rows, fin).bfloat16()
+    x = torch.randn(rows, fin).to(dtype)
     apart = linear(x)
     call(x, apart)
     if not linear.native(x):
@@ -198,3 +220,23 @@ def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart
         nbytes = [fin * size] * a_rows.numel() + [w * size for w in widths for _ in range(rows_of)]
         fetch = cpu_lora.Fetch(pool.data_ptr() + offsets * size, torch.tensor(nbytes))
         assert torch.equal(linear(x, fetch, lora=call), apart)
+
+
+@f32_native
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 32, 33])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 37), (1, 1), (97, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_projection_is_the_product(rows, out_features, in_features, with_bias):
+    """Decode-sized batches through the native float32 projection, larger ones (33 rows)
+    through oneDNN's: float32's product either way, to its rounding over the sum's length."""
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features) * 0.2
+    bias = torch.randn(out_features) if with_bias else None
+    x = torch.randn(rows, in_features)
+    linear = device.Linear(weight, bias)
+    assert linear.native(x) == (rows <= device.NATIVE_LINEAR_MAX_ROWS)
+    want = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    bound = 1e-6 * (x.double().abs() @ weight.double().abs().T + 1) * in_features**0.5
+    assert bool(((got.double() - want).abs() <= bound).all())

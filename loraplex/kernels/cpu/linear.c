@@ -1,4 +1,4 @@
-#include "lora.h"
+#include "linear.h"
 
 /* bfloat16 dense projections for decode steps: y = x W^T (+ bias), W packed once at load.
  *
@@ -213,38 +213,6 @@ int linear_any_rows_bf16(void) { return 1; }
 int linear_any_rows_bf16(void) { return 0; }
 #endif
 
-/* Memory ranges a thread brings into cache while it computes, evenly over its steps of k: the
- * rows of the adapters the next LoRA call reads (see linear_bf16). The pace is in 1/PACE_ONE
- * lines a step, so that a range no larger than the work is spread over all of it: a whole line
- * a step at least issued 1 MB of rows in the first 44% of a 32-row gate_up projection of
- * SmolLM2, and the projection slowed where the reads bunched. */
-#define PACE_ONE 65536
-typedef struct {
-    const int64_t *at, *bytes; /* each range's address and length */
-    int64_t next, end;         /* the thread's ranges left: next .. end */
-    int64_t offset;            /* within range `next` */
-    int64_t pace, credit;      /* lines a step, and lines due, in 1/PACE_ONE */
-} Ranges;
-
-static inline void fetch_ranges(Ranges *r) {
-    for (r->credit += r->pace; r->credit >= PACE_ONE && r->next < r->end; r->credit -= PACE_ONE) {
-        __builtin_prefetch((const char *)r->at[r->next] + r->offset, 0, 2);
-        r->offset += 64;
-        if (r->offset >= r->bytes[r->next]) r->offset = 0, r->next++;
-    }
-}
-
-/* The thread's share of `fetches` ranges (split in order, as evenly as their count), spread
- * over `steps` steps of its work. */
-static Ranges thread_ranges(const int64_t *at, const int64_t *bytes, int64_t fetches, int64_t t,
-                            int64_t nt, int64_t steps) {
-    Ranges r = {at, bytes, fetches * t / nt, fetches * (t + 1) / nt, 0, 0, 0};
-    int64_t lines = 0;
-    for (int64_t i = r.next; i < r.end; i++) lines += (bytes[i] + 63) / 64;
-    r.pace = steps > 0 ? (lines * PACE_ONE + steps - 1) / steps : 0;
-    return r;
-}
-
 /* Rows x[0 .. rows) of one block: y[i][0 .. cols) = x[i] . W's columns. `fetch` is the thread's
  * next block, brought into cache `pace` lines a step of k. */
 static inline __attribute__((always_inline)) void linear_tile(
@@ -277,15 +245,6 @@ static inline __attribute__((always_inline)) void linear_tile(
 }
 
 #define LINEAR_SHRINKS /* linear_thread_shrinking: the projection with the LoRA call's shrinks */
-/* With `lora` (the fused call's LoRA in two passes, lora.c), the thread's shrinks go between
- * its items of the projection, as evenly: those due once `done` of its `items` are; with items
- * 0, all that are left (after a thread's last item, or for a thread without any). */
-static inline void shrinks_due(LoRAPasses *lora, int64_t done, int64_t items) {
-    if (lora == NULL) return;
-    const int64_t due = items > 0 ? lora->blocks * done / items : lora->blocks;
-    while (lora->shrunk < due) lora_shrink_next(lora);
-}
-
 #if defined(BF16_BY_FMA)
 /* Where vdpbf16ps runs at half the rate of float32 FMAs (Intel's cores without AMX): W's
  * bfloat16 widened to float32, FMA_CHUNK input pairs of a block at a time, into a buffer L1

@@ -114,31 +114,47 @@ static inline void expand_f32(float *y, const float *v, const float *pool, const
 }
 #endif
 
+/* Token t's shrink for output i of a float32 call (v, scaled), the next token's A rows (of
+ * another run) prefetched meanwhile */
+static inline void token_shrink_f32(const LoRACallF32 *call, int64_t t, int64_t i, float *v) {
+    const LoRABinding *b = call->bound;
+    const int64_t n = b->end - b->start, s = b->slots[t], r = b->r;
+    const int64_t later = t + 1 < n && b->slots[t + 1] != s ? b->slots[t + 1] : -1;
+    const int64_t *at = b->a_rows + b->mods[i] * b->mstride + s * r;
+    shrink_f32(call->x + (b->start + t) * call->x_stride, b->pool, at,
+               later >= 0 ? at + (later - s) * r : NULL, r, call->fin, v);
+    for (int64_t j = 0; j < r; j++) v[j] *= b->scales[s];
+}
+
+/* Token t's expand for output i from v, the next token's B rows prefetched meanwhile */
+static inline void token_expand_f32(const LoRACallF32 *call, int64_t t, int64_t i, const float *v) {
+    const LoRABinding *b = call->bound;
+    const int64_t n = b->end - b->start, s = b->slots[t], r = b->r;
+    const int64_t later = t + 1 < n && b->slots[t + 1] != s ? b->slots[t + 1] : -1;
+    const int64_t *bt = b->b_rows + b->mods[i] * b->mstride + s * r;
+    expand_f32(call->y + (b->start + t) * call->y_stride + b->cols[i], v, b->pool, bt,
+               later >= 0 ? bt + (later - s) * r : NULL, r, b->fouts[i]);
+}
+
+/* Thread th of nt's share of a float32 call: its part of the tokens split in order, as
+ * lora_thread_bf16's (a call fused with the projection before it, linear_f32.c, finds in cache
+ * the rows that projection fetched for the thread's tokens) */
+void lora_thread_f32(const LoRACallF32 *call, int64_t th, int64_t nt) {
+    const int64_t n = call->bound->end - call->bound->start;
+    for (int64_t t = n * th / nt; t < n * (th + 1) / nt; t++)
+        for (int64_t i = 0; i < call->bound->modules; i++) {
+            float v[MAX_RANK];
+            token_shrink_f32(call, t, i, v);
+            token_expand_f32(call, t, i, v);
+        }
+}
+
 int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t fin,
                    const LoRABinding *bound) {
-    const int64_t n = bound->end - bound->start, modules = bound->modules, r = bound->r;
-    const int64_t *mods = bound->mods, *cols = bound->cols, *fouts = bound->fouts;
-    const int64_t *a_rows = bound->a_rows, *b_rows = bound->b_rows, *slots = bound->slots;
-    const int64_t mstride = bound->mstride;
-    const float *pool = bound->pool, *scales = bound->scales;
-    const int num_threads = (int)bound->num_threads;
-    if (r > MAX_RANK || modules > MAX_MODULES) return 1;
-    x += bound->start * x_stride, y += bound->start * y_stride;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t s = slots[t];
-        const int64_t later = t + 1 < n && slots[t + 1] != s ? slots[t + 1] : -1;
-        float v[MAX_RANK];
-        for (int64_t i = 0; i < modules; i++) {
-            const int64_t *at = a_rows + mods[i] * mstride + s * r;
-            const int64_t *bt = b_rows + mods[i] * mstride + s * r;
-            const int64_t ahead = (later - s) * r;
-            shrink_f32(x + t * x_stride, pool, at, later >= 0 ? at + ahead : NULL, r, fin, v);
-            for (int64_t j = 0; j < r; j++) v[j] *= scales[s];
-            expand_f32(y + t * y_stride + cols[i], v, pool, bt, later >= 0 ? bt + ahead : NULL, r,
-                       fouts[i]);
-        }
-    }
+    if (bound->r > MAX_RANK || bound->modules > MAX_MODULES) return 1;
+    const LoRACallF32 call = {x, x_stride, y, y_stride, fin, bound};
+#pragma omp parallel num_threads((int)bound->num_threads)
+    lora_thread_f32(&call, omp_get_thread_num(), omp_get_num_threads());
     return 0;
 }
 
@@ -456,8 +472,9 @@ static inline int block_at(const int64_t *slots, int64_t t, int64_t last, int64_
 
 /* The calling thread's buffer, at least `bytes` long; kept for its later calls (a buffer
  * allocated and freed each call, past malloc's mmap threshold, cost the page faults of a fresh
- * mapping every time). NULL if it cannot grow. One a thread: AMX's spans use it in that build
- * (lora_span_amx), the two passes' shrink results in the others (LoRAPasses). */
+ * mapping every time). NULL if it cannot grow. One a thread, for one use at a time: AMX's spans
+ * in that build (lora_span_amx), and the two passes' shrink results (LoRAPasses: bfloat16 calls
+ * but in the AMX build, float32 ones in any). */
 static void *thread_buffer(size_t bytes) {
     static __thread void *buffer;
     static __thread size_t size;
@@ -672,7 +689,7 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
 int lora_passes_begin(LoRAPasses *p, const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
     const int64_t n = bound->end - bound->start;
-    p->call = call, p->first = p->next = n * th / nt, p->last = n * (th + 1) / nt;
+    p->call = call, p->call_f32 = NULL, p->first = p->next = n * th / nt, p->last = n * (th + 1) / nt;
     p->blocks = p->shrunk = 0;
     for (int64_t t = p->first, later; t < p->last; t += block_at(bound->slots, t, p->last, &later))
         p->blocks++;
@@ -680,9 +697,30 @@ int lora_passes_begin(LoRAPasses *p, const LoRACall *call, int64_t th, int64_t n
     p->v = thread_buffer(sizeof(float) * (size_t)numel);
     return p->blocks == 0 || p->v != NULL;
 }
+#endif
+
+/* A float32 call's share in passes (linear_f32.c), each token a block: per token the arithmetic
+ * of lora_thread_f32, in the same order, so the same bits. */
+int lora_passes_begin_f32(LoRAPasses *p, const LoRACallF32 *call, int64_t th, int64_t nt) {
+    const int64_t n = call->bound->end - call->bound->start;
+    p->call = NULL, p->call_f32 = call;
+    p->first = p->next = n * th / nt, p->last = n * (th + 1) / nt;
+    p->blocks = p->last - p->first, p->shrunk = 0;
+    const int64_t numel = p->blocks * call->bound->modules * call->bound->r;
+    p->v = thread_buffer(sizeof(float) * (size_t)numel);
+    return p->blocks == 0 || p->v != NULL;
+}
 
 /* The next block's shrinks, every module, into p->v */
 void lora_shrink_next(LoRAPasses *p) {
+    if (p->call_f32 != NULL) {
+        const int64_t t = p->next, modules = p->call_f32->bound->modules, r = p->call_f32->bound->r;
+        for (int64_t i = 0; i < modules; i++)
+            token_shrink_f32(p->call_f32, t, i, p->v + ((t - p->first) * modules + i) * r);
+        p->next++, p->shrunk++;
+        return;
+    }
+#if !defined(HAVE_AMX)
     const LoRABinding *bound = p->call->bound;
     const int64_t t = p->next, s = bound->slots[t], modules = bound->modules, r = bound->r;
     int64_t later;
@@ -698,10 +736,19 @@ void lora_shrink_next(LoRAPasses *p) {
     FOR_BLOCK_SIZE(T, SHRINK_OF)
 #undef SHRINK_OF
     p->next += T, p->shrunk++;
+#endif
 }
 
 /* Every block's expands, from p->v (each block shrunk before) */
 void lora_expands(LoRAPasses *p) {
+    if (p->call_f32 != NULL) {
+        const int64_t modules = p->call_f32->bound->modules, r = p->call_f32->bound->r;
+        for (int64_t t = p->first; t < p->last; t++)
+            for (int64_t i = 0; i < modules; i++)
+                token_expand_f32(p->call_f32, t, i, p->v + ((t - p->first) * modules + i) * r);
+        return;
+    }
+#if !defined(HAVE_AMX)
     const LoRABinding *bound = p->call->bound;
     const int64_t modules = bound->modules, r = bound->r;
     float v[LORA_BLOCK][MAX_RANK];
@@ -720,8 +767,8 @@ void lora_expands(LoRAPasses *p) {
 #undef EXPAND_OF
         t += T;
     }
-}
 #endif
+}
 
 int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
                     int64_t fin, const LoRABinding *bound) {

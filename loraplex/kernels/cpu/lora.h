@@ -1,5 +1,5 @@
-/* A bfloat16 LoRA call (lora.c), which the projection also makes in its own native call
- * (linear.c: linear_lora_bf16). */
+/* The LoRA calls (lora.c), which the projections also make in their own native call (linear.c:
+ * linear_lora_bf16, linear_f32.c: linear_lora_f32). */
 #ifndef LORAPLEX_CPU_LORA_H
 #define LORAPLEX_CPU_LORA_H
 #include "common.h"
@@ -19,6 +19,22 @@ typedef struct {
     int64_t num_threads;
 } LoRABinding;
 
+/* A float32 LoRA call: the call `bound` on x [*, fin] and y, rows x_stride and y_stride apart
+ * from row 0. */
+typedef struct {
+    const float *x;
+    int64_t x_stride;
+    float *y;
+    int64_t y_stride, fin;
+    const LoRABinding *bound;
+} LoRACallF32;
+
+/* Thread th of nt's share of a float32 call; lora_apply_f32 runs it on each thread of its team,
+ * and the float32 projection (linear_f32.c: linear_lora_f32) after its own share where it cannot
+ * take it in passes. */
+__attribute__((visibility("hidden"))) void lora_thread_f32(const LoRACallF32 *call, int64_t th,
+                                                           int64_t nt);
+
 /* A bfloat16 LoRA call (lora_thread_bf16): the call `bound` on x [*, fin] and y, rows x_stride
  * and y_stride apart from row 0; rows_fetched: its rows were brought into cache before it (the
  * call in linear_lora_bf16, after a decode step's projection). */
@@ -37,9 +53,11 @@ __attribute__((visibility("hidden"))) void lora_thread_bf16(const LoRACall *call
 
 /* Thread th of nt's share of a call in two passes (lora_passes_begin, lora.c): the shrinks,
  * block after block (lora_shrink_next; `shrunk` of `blocks` done), then the expands
- * (lora_expands). Not in the AMX build. */
+ * (lora_expands). A bfloat16 call (`call`; not in the AMX build) or a float32 one (`call_f32`,
+ * whose blocks are single tokens; lora_passes_begin_f32). */
 typedef struct {
     const LoRACall *call;
+    const LoRACallF32 *call_f32;
     int64_t first, last; /* the thread's tokens */
     int64_t next;        /* the first token of the next block to shrink */
     int64_t blocks, shrunk;
@@ -49,6 +67,9 @@ typedef struct {
 /* 0 if the thread cannot take its share in passes (no memory for v). */
 __attribute__((visibility("hidden"))) int lora_passes_begin(LoRAPasses *p, const LoRACall *call,
                                                             int64_t th, int64_t nt);
+__attribute__((visibility("hidden"))) int lora_passes_begin_f32(LoRAPasses *p,
+                                                                const LoRACallF32 *call,
+                                                                int64_t th, int64_t nt);
 __attribute__((visibility("hidden"))) void lora_shrink_next(LoRAPasses *p);
 __attribute__((visibility("hidden"))) void lora_expands(LoRAPasses *p);
 
