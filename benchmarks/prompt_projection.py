@@ -1,6 +1,6 @@
-"""The native bfloat16 projection against oneDNN's on batches of every size, in one run.
+"""The native bfloat16 (or float32) projection against oneDNN's on batches of every size.
 
-    python benchmarks/prompt_projection.py [ROWS ...]
+    python benchmarks/prompt_projection.py [ROWS ...] [--dtype bfloat16|float32]
 
 SmolLM2's four projections of a layer (q,k,v 576 -> 960, o 576 -> 576, gate,up 576 -> 3072,
 down 1536 -> 576) over 30 layers of distinct random weights, as a step runs them (weights from
@@ -9,7 +9,10 @@ chunks'): the native kernel (kernels/cpu/linear.c, W packed its way) and oneDNN'
 its way), alternated, best of 7 passes each. Prints the time of each, its GFLOP/s and the native
 time as a multiple of oneDNN's: where it is at or under 1 for every size, the native projection
 takes every batch (cpu_lora.CpuLinearBf16.any_rows: with AMX, in the FMA build, on Zen 4) and the
-model keeps no oneDNN copy of its weights. Needs a CPU with AMX or AVX512-BF16.
+model keeps no oneDNN copy of its weights. Needs a CPU with AMX or AVX512-BF16. With
+--dtype float32, the float32 projection (kernels/cpu/linear_f32.c, any CPU with AVX-512; the
+engine takes it for decode steps on Zen 4 alone, where it was measured: cpu_lora.CpuLinearF32):
+where it is under 1 at 32 rows on another CPU, that CPU may take it too.
 """
 
 from __future__ import annotations
@@ -29,20 +32,26 @@ def main() -> None:
     )
     parser.add_argument("rows", nargs="*", type=int, default=[32, 33, 64, 100, 128, 256])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
 
     from loraplex.kernels import cpu_lora
 
-    native = cpu_lora.load_linear()
-    if native is None or not native.supports(torch.bfloat16):
-        raise SystemExit("the native bfloat16 projection does not run on this CPU")
+    lib = cpu_lora.library()
+    if dtype == torch.float32:
+        native = cpu_lora.CpuLinearF32(lib, any_cpu=True) if lib is not None else None
+    else:
+        native = cpu_lora.load_linear()
+    if native is None or not native.supports(dtype):
+        raise SystemExit(f"the native {args.dtype} projection does not run on this CPU")
     torch.manual_seed(0)
     layers = []
     for _ in range(LAYERS):
         weights = []
         for n, k in SHAPES:
-            w = (torch.randn(n, k) * 0.05).bfloat16()
+            w = (torch.randn(n, k) * 0.05).to(dtype)
             onednn = torch.ops.mkldnn._reorder_linear_weight(w, 64)
             weights.append((native.pack(w), onednn, n, k))
         layers.append(weights)
@@ -62,11 +71,11 @@ def main() -> None:
         return time.perf_counter() - start
 
     print(
-        f"SmolLM2's projections, {LAYERS} layers of distinct weights, {args.threads} threads; "
-        f"native build any_rows={native.any_rows}"
+        f"SmolLM2's projections, {args.dtype}, {LAYERS} layers of distinct weights, "
+        f"{args.threads} threads; native build any_rows={native.any_rows}"
     )
     for m in args.rows:
-        xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES}}
+        xs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in SHAPES}}
         flops = 2 * m * sum(n * k for n, k in SHAPES) * LAYERS
         mine, theirs = [], []
         for _ in range(7):

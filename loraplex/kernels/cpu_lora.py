@@ -541,12 +541,14 @@ class CpuLinearBf16(_NativeLinear):
 class CpuLinearF32(_NativeLinear):
     """float32 dense projections for decode steps (cpu/linear_f32.c), fetching the LoRA call's
     rows meanwhile, where they were measured faster than oneDNN's: on Zen 4 (zen4), in the
-    builds with AVX-512. Prompt chunks keep oneDNN's (256 rows: 1.13x its time there)."""
+    builds with AVX-512. Prompt chunks keep oneDNN's (256 rows: 1.08-1.13x its time there by
+    the median of 15 passes, 0.96x by the best of 7). With
+    `any_cpu`, wherever the build has it (benchmarks/prompt_projection.py measures it so)."""
 
     dtype = torch.float32
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        native = bool(lib.linear_native_f32()) and zen4()
+    def __init__(self, lib: ctypes.CDLL, any_cpu: bool = False) -> None:
+        native = bool(lib.linear_native_f32()) and (any_cpu or zen4())
         super().__init__(lib, native)
         self.fetches = native
 

@@ -15,7 +15,9 @@
  * unused, while the LoRA call after them is bound by memory: oneDNN's products cannot fetch its
  * rows meanwhile, this one can. On a 2-core Zen 4 (family 25, model 17), SmolLM2's four
  * projections of 30 layers of distinct weights at 32 rows took 38.7 against oneDNN's 48.9 ms
- * (175 against 139 GFLOP/s); 0.89-0.91x at 33-64 rows, but 1.13x at 256, so prompt chunks keep
+ * (175 against 139 GFLOP/s; medians of 15 alternated passes), 0.80x by the best of 7
+ * (benchmarks/prompt_projection.py --dtype float32). Larger batches gain less: 0.86-0.96x at
+ * 33-256 rows by the best of 7, but 1.08-1.13x at 256 by the median of 15, so prompt chunks keep
  * oneDNN's (and its copy of W). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define F32_COLS 96
