@@ -58,7 +58,7 @@ def build_at(revision: str, folder: Path) -> ctypes.CDLL:
 
 class LoRACalls:
     """One build's LoRA functions, put in place of the engine's for a step: the function of
-    every bound LoRA call, and the native projection's fused call (bfloat16; else None)."""
+    every bound LoRA call, and the native projection's fused call (where the engine has one)."""
 
     def __init__(self, lora, fused: dict | None) -> None:
         self.lora, self.fused = lora, fused
@@ -70,31 +70,35 @@ class LoRACalls:
         suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
         lora = getattr(lib, f"lora_apply_{suffix}")
         lora.argtypes, lora.restype = cpu_lora._ARGTYPES, ctypes.c_int
-        linear, fused = cpu_lora.load_linear(), None
-        if dtype == torch.bfloat16 and linear is not None and linear._fused:
-            function = lib.linear_lora_bf16
-            function.argtypes = linear._fused[torch.bfloat16].argtypes
+        linear, fused = _native_linear(dtype), None
+        if linear is not None and linear._fused:
+            function = getattr(lib, f"linear_lora_{suffix}")
+            function.argtypes = linear._fused[dtype].argtypes
             function.restype = ctypes.c_int
-            fused = {torch.bfloat16: function}
+            fused = {dtype: function}
         return cls(lora, fused)
 
     @classmethod
     def of_engine(cls, model) -> LoRACalls:
         """The engine's own functions (the working tree's build)."""
-        from loraplex.kernels import cpu_lora
 
         bound = _bound_calls(model)
-        linear = cpu_lora.load_linear()
+        linear = _native_linear(model.embed.dtype)
         fused = dict(linear._fused) if linear is not None and linear._fused else None
         return cls(bound[0]._function if bound else None, fused)
 
     def use(self, model) -> None:
-        from loraplex.kernels import cpu_lora
-
         for call in _bound_calls(model):
             call._function = self.lora
         if self.fused is not None:
-            cpu_lora.load_linear()._fused = self.fused
+            _native_linear(next(iter(self.fused)))._fused = self.fused
+
+
+def _native_linear(dtype: torch.dtype):
+    """The engine's native projection of `dtype` (cpu_lora.CpuLinearBf16 or CpuLinearF32)."""
+    from loraplex.kernels import cpu_lora
+
+    return cpu_lora.load_linear() if dtype == torch.bfloat16 else cpu_lora.load_linear_f32()
 
 
 def _bound_calls(model) -> list:

@@ -475,9 +475,10 @@ class _NativeLinear(_PerDtype):
         fused = [*argtypes[:-1], ctypes.c_void_p]  # the projection's but its threads, a binding
         self._fused = _bind(lib, "linear_lora", fused, ctypes.c_int, one) if native else {}
         numel = [ctypes.c_int64] * 2
-        self._numel = _bind(lib, "linear_packed_numel", numel, ctypes.c_int64, one)[self.dtype]
         pack = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        self._pack = _bind(lib, "linear_pack", pack, ctypes.c_int, one)[self.dtype]
+        if native:  # a build without the projection may not have these either (float32's)
+            self._numel = _bind(lib, "linear_packed_numel", numel, ctypes.c_int64, one)[self.dtype]
+            self._pack = _bind(lib, "linear_pack", pack, ctypes.c_int, one)[self.dtype]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [n, k] of the projection's dtype -> its packed copy, 1-D."""

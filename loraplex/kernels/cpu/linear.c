@@ -379,37 +379,28 @@ static void linear_thread_shrinking(const LinearCall *call, int64_t t, int64_t n
  * during the projection: 54-55 against 65 us over the projection alone). */
 static void linear_thread_shrinking(const LinearCall *call, int64_t t, int64_t nt,
                                     LoRAPasses *lora) {
-    const uint16_t *x = call->x, *packed = call->packed, *bias = call->bias;
-    const int64_t x_stride = call->x_stride, m = call->m, k = call->k, n = call->n;
-    const int64_t blocks = (n + LINEAR_COLS - 1) / LINEAR_COLS;
-    const int64_t tiles = (m + LINEAR_ROWS - 1) / LINEAR_ROWS, items = blocks * tiles;
-    const int64_t block_numel = LINEAR_COLS * k, block_lines = block_numel * 2 / 64;
-    /* lines of the next block a step of k: all of it over this block's tiles */
-    const int64_t steps = tiles * (k / 2), pace = (block_lines + steps - 1) / steps;
-    const int64_t first = items * t / nt, last = items * (t + 1) / nt;
+    const int64_t x_stride = call->x_stride, y_stride = call->y_stride, k = call->k;
+    const Items s = thread_items(call->m, call->n, LINEAR_COLS, LINEAR_ROWS, k / 2, call->packed,
+                                 LINEAR_COLS * k * 2, t, nt);
     Ranges extra = thread_ranges(call->fetch_at, call->fetch_bytes, call->fetches, t, nt,
-                                 (last - first) * (k / 2));
-    for (int64_t item = first; item < last; item++) {
-        const int64_t b = item / tiles, tile = item % tiles;
-        const int64_t row = tile * LINEAR_ROWS, col = b * LINEAR_COLS;
-        const int rows = m - row < LINEAR_ROWS ? (int)(m - row) : LINEAR_ROWS;
-        const int64_t cols = n - col < LINEAR_COLS ? n - col : LINEAR_COLS;
-        const int fetch = b + 1 < blocks && (last - 1) / tiles > b;
-        const char *next = (const char *)(packed + (b + 1) * block_numel);
-        const char *from = fetch ? next + tile * (k / 2) * pace * 64 : NULL;
-        const char *to = fetch ? next + block_numel * 2 : NULL;
-        const uint16_t *xr = x + row * x_stride, *block = packed + b * block_numel;
-        const uint16_t *bias_b = bias != NULL ? bias + col : NULL;
-        uint16_t *yr = call->y + row * call->y_stride + col;
-        const int64_t y_stride = call->y_stride;
-        switch (rows) { /* the tile specialised for each row count */
-        case 4: linear_tile(xr, x_stride, 4, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
-        case 3: linear_tile(xr, x_stride, 3, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
-        case 2: linear_tile(xr, x_stride, 2, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra); break;
-        default: linear_tile(xr, x_stride, 1, k, block, bias_b, yr, y_stride, cols, from, to, pace, &extra);
+                                 (s.last - s.first) * s.steps);
+    for (int64_t item = s.first; item < s.last; item++) {
+        const Item it = item_at(&s, item);
+        const uint16_t *xr = call->x + it.row * x_stride;
+        const uint16_t *block = call->packed + it.block * LINEAR_COLS * k;
+        const uint16_t *bias = call->bias != NULL ? call->bias + it.col : NULL;
+        uint16_t *yr = call->y + it.row * y_stride + it.col;
+#define TILE_OF(R_)                                                                            \
+    linear_tile(xr, x_stride, R_, k, block, bias, yr, y_stride, it.cols, it.from, it.to, s.pace, \
+                &extra)
+        switch (it.rows) { /* the tile specialised for each row count */
+        case 4: TILE_OF(4); break;
+        case 3: TILE_OF(3); break;
+        case 2: TILE_OF(2); break;
+        default: TILE_OF(1);
         }
-        const int64_t twice = 2 * (item - first + 1), count = last - first;
-        shrinks_due(lora, twice > count ? twice - count : 0, count);
+#undef TILE_OF
+        shrinks_after(lora, &s, item);
     }
     shrinks_due(lora, 0, 0);
 }

@@ -46,4 +46,55 @@ static inline void shrinks_due(LoRAPasses *lora, int64_t done, int64_t items) {
     while (lora->shrunk < due) lora_shrink_next(lora);
 }
 
+/* A thread's share of a projection: (block, tile of rows) items in block order, split evenly
+ * between the threads, so that each reads its run of blocks once from memory (a block stays in
+ * L2 across its row tiles); an item fetches its part of the thread's next block, all of it over
+ * the block's tiles. The vdpbf16ps build's and the float32 projection's work (linear.c,
+ * linear_f32.c). */
+typedef struct {
+    int64_t m, n, block_cols, tile_rows; /* the product's rows and columns, an item's at most */
+    int64_t blocks, tiles, first, last;  /* the thread's items: first .. last */
+    int64_t steps, pace;                 /* steps of k a tile; lines of the next block a step */
+    const char *packed;                  /* the packed W */
+    int64_t block_bytes;
+} Items;
+
+typedef struct {
+    int64_t block, tile, row, col, cols;
+    int rows;
+    const char *from, *to; /* the part of the next block to fetch during the item (or NULL) */
+} Item;
+
+static inline Items thread_items(int64_t m, int64_t n, int64_t block_cols, int64_t tile_rows,
+                                 int64_t steps, const void *packed, int64_t block_bytes,
+                                 int64_t t, int64_t nt) {
+    const int64_t blocks = (n + block_cols - 1) / block_cols;
+    const int64_t tiles = (m + tile_rows - 1) / tile_rows, items = blocks * tiles;
+    const int64_t lines = block_bytes / 64, work = tiles * steps; /* steps of a block */
+    const int64_t pace = work > 0 ? (lines + work - 1) / work : 0;
+    const Items s = {m, n, block_cols, tile_rows, blocks, tiles, items * t / nt,
+                     items * (t + 1) / nt, steps, pace, packed, block_bytes};
+    return s;
+}
+
+static inline Item item_at(const Items *s, int64_t item) {
+    Item it;
+    it.block = item / s->tiles, it.tile = item % s->tiles;
+    it.row = it.tile * s->tile_rows, it.col = it.block * s->block_cols;
+    it.rows = (int)(s->m - it.row < s->tile_rows ? s->m - it.row : s->tile_rows);
+    it.cols = s->n - it.col < s->block_cols ? s->n - it.col : s->block_cols;
+    const int fetch = it.block + 1 < s->blocks && (s->last - 1) / s->tiles > it.block;
+    const char *next = s->packed + (it.block + 1) * s->block_bytes;
+    it.from = fetch ? next + it.tile * s->steps * s->pace * 64 : NULL;
+    it.to = fetch ? next + s->block_bytes : NULL;
+    return it;
+}
+
+/* With `lora`, the shrinks due once `item` is done: in the second half of the thread's items,
+ * twice as fast as they go (see linear_thread_shrinking, linear.c) */
+static inline void shrinks_after(LoRAPasses *lora, const Items *s, int64_t item) {
+    const int64_t twice = 2 * (item - s->first + 1), count = s->last - s->first;
+    shrinks_due(lora, twice > count ? twice - count : 0, count);
+}
+
 #endif

@@ -89,38 +89,28 @@ static inline __attribute__((always_inline)) void tile_f32(
  * vdpbf16ps build's, linear.c) */
 static void linear_thread_f32(const LinearCallF32 *call, int64_t t, int64_t nt,
                               LoRAPasses *lora) {
-    const int64_t m = call->m, k = call->k, n = call->n, x_stride = call->x_stride;
-    const int64_t blocks = (n + F32_COLS - 1) / F32_COLS;
-    const int64_t tiles = (m + F32_ROWS - 1) / F32_ROWS, items = blocks * tiles;
-    const int64_t block_numel = F32_COLS * k, block_lines = block_numel * 4 / 64;
-    /* lines of the next block a step of k: all of it over this block's tiles */
-    const int64_t steps = tiles * k, pace = (block_lines + steps - 1) / steps;
-    const int64_t first = items * t / nt, last = items * (t + 1) / nt;
+    const int64_t x_stride = call->x_stride, y_stride = call->y_stride, k = call->k;
+    const Items s = thread_items(call->m, call->n, F32_COLS, F32_ROWS, k, call->packed,
+                                 F32_COLS * k * 4, t, nt);
     Ranges extra = thread_ranges(call->fetch_at, call->fetch_bytes, call->fetches, t, nt,
-                                 (last - first) * k);
-    for (int64_t item = first; item < last; item++) {
-        const int64_t b = item / tiles, tile = item % tiles;
-        const int64_t row = tile * F32_ROWS, col = b * F32_COLS;
-        const int rows = m - row < F32_ROWS ? (int)(m - row) : F32_ROWS;
-        const int64_t cols = n - col < F32_COLS ? n - col : F32_COLS;
-        const int fetch = b + 1 < blocks && (last - 1) / tiles > b;
-        const char *next = (const char *)(call->packed + (b + 1) * block_numel);
-        const char *from = fetch ? next + tile * k * pace * 64 : NULL;
-        const char *to = fetch ? next + block_numel * 4 : NULL;
-        const float *xr = call->x + row * x_stride, *block = call->packed + b * block_numel;
-        const float *bias = call->bias != NULL ? call->bias + col : NULL;
-        float *yr = call->y + row * call->y_stride + col;
+                                 (s.last - s.first) * s.steps);
+    for (int64_t item = s.first; item < s.last; item++) {
+        const Item it = item_at(&s, item);
+        const float *xr = call->x + it.row * x_stride;
+        const float *block = call->packed + it.block * F32_COLS * k;
+        const float *bias = call->bias != NULL ? call->bias + it.col : NULL;
+        float *yr = call->y + it.row * y_stride + it.col;
 #define TILE_OF(R_)                                                                            \
-    tile_f32(xr, x_stride, R_, k, block, bias, yr, call->y_stride, cols, from, to, pace, &extra)
-        switch (rows) { /* the tile specialised for each row count */
+    tile_f32(xr, x_stride, R_, k, block, bias, yr, y_stride, it.cols, it.from, it.to, s.pace,    \
+             &extra)
+        switch (it.rows) { /* the tile specialised for each row count */
         case 4: TILE_OF(4); break;
         case 3: TILE_OF(3); break;
         case 2: TILE_OF(2); break;
         default: TILE_OF(1);
         }
 #undef TILE_OF
-        const int64_t twice = 2 * (item - first + 1), count = last - first;
-        shrinks_due(lora, twice > count ? twice - count : 0, count);
+        shrinks_after(lora, &s, item);
     }
     shrinks_due(lora, 0, 0);
 }
@@ -176,25 +166,7 @@ int linear_lora_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, cons
     return 0;
 }
 #else
+/* Without AVX-512 the library has no float32 projection: cpu_lora binds none of its functions
+ * where linear_native_f32() says so. */
 int linear_native_f32(void) { return 0; }
-int64_t linear_packed_numel_f32(int64_t n, int64_t k) { return n * k; }
-int linear_pack_f32(const float *w, int64_t n, int64_t k, float *packed) {
-    (void)w, (void)n, (void)k, (void)packed;
-    return 2;
-}
-int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
-               int64_t n, const float *bias, float *y, int64_t y_stride, const int64_t *fetch_at,
-               const int64_t *fetch_bytes, int64_t fetches, int num_threads) {
-    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
-    (void)y_stride, (void)fetch_at, (void)fetch_bytes, (void)fetches, (void)num_threads;
-    return 2;
-}
-int linear_lora_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
-                    int64_t n, const float *bias, float *y, int64_t y_stride,
-                    const int64_t *fetch_at, const int64_t *fetch_bytes, int64_t fetches,
-                    const LoRABinding *bound) {
-    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
-    (void)y_stride, (void)fetch_at, (void)fetch_bytes, (void)fetches, (void)bound;
-    return 2;
-}
 #endif

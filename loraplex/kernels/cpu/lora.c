@@ -114,26 +114,32 @@ static inline void expand_f32(float *y, const float *v, const float *pool, const
 }
 #endif
 
-/* Token t's shrink for output i of a float32 call (v, scaled), the next token's A rows (of
- * another run) prefetched meanwhile */
-static inline void token_shrink_f32(const LoRACallF32 *call, int64_t t, int64_t i, float *v) {
-    const LoRABinding *b = call->bound;
-    const int64_t n = b->end - b->start, s = b->slots[t], r = b->r;
+/* Token t's rows of output i in a row table (a_rows or b_rows), and those of the next token
+ * where it is on another run (to prefetch meanwhile; else NULL) */
+static inline const int64_t *token_rows(const LoRABinding *b, const int64_t *table, int64_t t,
+                                        int64_t i, const int64_t **ahead) {
+    const int64_t n = b->end - b->start, s = b->slots[t];
     const int64_t later = t + 1 < n && b->slots[t + 1] != s ? b->slots[t + 1] : -1;
-    const int64_t *at = b->a_rows + b->mods[i] * b->mstride + s * r;
-    shrink_f32(call->x + (b->start + t) * call->x_stride, b->pool, at,
-               later >= 0 ? at + (later - s) * r : NULL, r, call->fin, v);
-    for (int64_t j = 0; j < r; j++) v[j] *= b->scales[s];
+    const int64_t *rows = table + b->mods[i] * b->mstride + s * b->r;
+    *ahead = later >= 0 ? rows + (later - s) * b->r : NULL;
+    return rows;
 }
 
-/* Token t's expand for output i from v, the next token's B rows prefetched meanwhile */
+/* Token t's shrink for output i of a float32 call, into v (scaled) */
+static inline void token_shrink_f32(const LoRACallF32 *call, int64_t t, int64_t i, float *v) {
+    const LoRABinding *b = call->bound;
+    const int64_t *ahead, *rows = token_rows(b, b->a_rows, t, i, &ahead);
+    shrink_f32(call->x + (b->start + t) * call->x_stride, b->pool, rows, ahead, b->r, call->fin,
+               v);
+    for (int64_t j = 0; j < b->r; j++) v[j] *= b->scales[b->slots[t]];
+}
+
+/* Token t's expand for output i from v */
 static inline void token_expand_f32(const LoRACallF32 *call, int64_t t, int64_t i, const float *v) {
     const LoRABinding *b = call->bound;
-    const int64_t n = b->end - b->start, s = b->slots[t], r = b->r;
-    const int64_t later = t + 1 < n && b->slots[t + 1] != s ? b->slots[t + 1] : -1;
-    const int64_t *bt = b->b_rows + b->mods[i] * b->mstride + s * r;
-    expand_f32(call->y + (b->start + t) * call->y_stride + b->cols[i], v, b->pool, bt,
-               later >= 0 ? bt + (later - s) * r : NULL, r, b->fouts[i]);
+    const int64_t *ahead, *rows = token_rows(b, b->b_rows, t, i, &ahead);
+    expand_f32(call->y + (b->start + t) * call->y_stride + b->cols[i], v, b->pool, rows, ahead,
+               b->r, b->fouts[i]);
 }
 
 /* Thread th of nt's share of a float32 call: its part of the tokens split in order, as
@@ -689,7 +695,8 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
 int lora_passes_begin(LoRAPasses *p, const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
     const int64_t n = bound->end - bound->start;
-    p->call = call, p->call_f32 = NULL, p->first = p->next = n * th / nt, p->last = n * (th + 1) / nt;
+    p->call = call, p->call_f32 = NULL;
+    p->first = p->next = n * th / nt, p->last = n * (th + 1) / nt;
     p->blocks = p->shrunk = 0;
     for (int64_t t = p->first, later; t < p->last; t += block_at(bound->slots, t, p->last, &later))
         p->blocks++;
