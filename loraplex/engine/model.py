@@ -261,8 +261,9 @@ def _projection_step(
     lora: StepLoRA, layer: int, modules: Modules, rows: int, projection: Linear
 ) -> ProjectionStep:
     """The step of the projection of `modules` in `layer` on a 2-D input of `rows` rows: the
-    adapter rows brought into cache during the projection where it fetches (AVX512-BF16), and
-    the LoRA call made in its native call where it takes it."""
+    adapter rows brought into cache during the projection where it fetches (bfloat16 on
+    AVX512-BF16 without AMX, float32 on Zen 4), and the LoRA call made in its native call where
+    it takes it."""
     plan = lora.plan(layer, modules)
     if plan is None:
         return NO_LORA
@@ -281,9 +282,10 @@ def _project(
 ) -> torch.Tensor:
     """projection(x), plus the LoRA deltas of its step's plan for the tokens whose adapter
     changes them: in the projection's own native call where it takes the LoRA call, else after
-    it; the adapter rows brought into cache during the projection where it fetches
-    (AVX512-BF16), unless an earlier projection did (`fetched`). A projection with no LoRA call
-    of its own fetches `ahead` (where it fetches): a later one's rows."""
+    it; the adapter rows brought into cache during the projection where it fetches (bfloat16 on
+    AVX512-BF16 without AMX, float32 on Zen 4), unless an earlier projection did (`fetched`). A
+    projection with no LoRA call of its own fetches `ahead` (where it fetches): a later one's
+    rows."""
     if step.plan is None:
         return projection(x, ahead)
     fetch = None if fetched else step.fetch
