@@ -173,10 +173,10 @@ def native_lm_head(dtype: torch.dtype) -> bool:
     was measured faster at the lm_head too (SmolLM2's 49,152 x 576, 32 rows: with AMX 1.74
     against oneDNN's 2.09 ms on a 2-core Xeon; on Zen 4, 4.8 against 5.3 ms; in the FMA build
     347 against 215 GFLOP/s); not on Zen 5, where oneDNN streamed it faster. In float32 wherever
-    the native float32 projection runs (Zen 4: 10.1-12.8 against oneDNN's 13.1-14.7 ms)."""
+    the native float32 projection runs, as choose_linear finds (Zen 4: 10.1-12.8 against
+    oneDNN's 13.1-14.7 ms)."""
     if dtype == torch.float32:
-        kernel = cpu_lora.load_linear_f32()
-        return kernel is not None and kernel.supports(dtype)
+        return True
     kernel = cpu_lora.load_linear()
     return dtype == torch.bfloat16 and kernel is not None and kernel.any_rows
 

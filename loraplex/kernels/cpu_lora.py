@@ -543,8 +543,8 @@ class CpuLinearF32(_NativeLinear):
     """float32 dense projections for decode steps (cpu/linear_f32.c), fetching the LoRA call's
     rows meanwhile, where they were measured faster than oneDNN's: on Zen 4 (zen4), in the
     builds with AVX-512. Prompt chunks keep oneDNN's (256 rows: 1.08-1.13x its time there by
-    the median of 15 passes, 0.96x by the best of 7). With
-    `any_cpu`, wherever the build has it (benchmarks/prompt_projection.py measures it so)."""
+    the median of 15 passes, 0.96x by the best of 7). With `any_cpu`, wherever the build has it
+    (benchmarks/prompt_projection.py measures it so)."""
 
     dtype = torch.float32
 

@@ -4,8 +4,8 @@ product rounded once, whatever the shape (with AMX, input widths that are not a 
 end in a vdpbf16ps tail); decode-sized batches take it and larger ones oneDNN (or it too, with
 AMX and in the FMA build: rows 32 at a time), with the same results to a rounding step; and the
 adapter rows a fetching projection is asked to bring into cache are exactly those the LoRA call
-after it reads. float32 (Zen 4): the product to float32's precision, and with its LoRA call in
-the same native call, the bits of the two apart."""
+after it reads. float32 (the engine's on Zen 4, tested on any CPU with AVX-512): the product to
+float32's precision, and with its LoRA call in the same native call, the bits of the two apart."""
 
 from __future__ import annotations
 
@@ -26,10 +26,6 @@ from tests.kernels.test_lora_kernels import other_bf16_flags
 bf16_native = pytest.mark.skipif(
     device.choose_linear(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
     reason="the native bfloat16 projection does not run on this CPU",
-)
-f32_native = pytest.mark.skipif(
-    device.choose_linear(torch.zeros(2, 2)) is None,
-    reason="the native float32 projection does not run on this CPU",
 )
 STEP = 2.0**-7  # a bfloat16 rounding step, relative
 
@@ -56,6 +52,20 @@ def build(request, monkeypatch):
         kernel = request.getfixturevalue("other_build")
         monkeypatch.setattr(device, "choose_linear", lambda weight: kernel)
     return request.param
+
+
+@pytest.fixture
+def f32_kernel(monkeypatch) -> cpu_lora.CpuLinearF32:
+    """The float32 projection wherever the library has it (AVX-512), the engine's on Zen 4 and
+    put in its place elsewhere, so that its kernel is tested on any CPU that can run it."""
+    lib = cpu_lora.library()
+    if lib is None or not lib.linear_native_f32():
+        pytest.skip("the library has no float32 projection on this CPU (no AVX-512)")
+    kernel = cpu_lora.CpuLinearF32(lib, any_cpu=True)
+    monkeypatch.setattr(
+        device, "choose_linear", lambda weight: kernel if weight.dtype == torch.float32 else None
+    )
+    return kernel
 
 
 def reference(x, weight, bias):
@@ -171,9 +181,10 @@ def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart
     projection_and_call_give_their_bits_apart(rows, torch.bfloat16)
 
 
-@f32_native
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70])
-def test_float32_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(rows):
+def test_float32_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(
+    f32_kernel, rows
+):
     """The same in float32, where decode-sized batches take the native projection."""
     projection_and_call_give_their_bits_apart(rows, torch.float32)
 
@@ -222,11 +233,10 @@ def projection_and_call_give_their_bits_apart(rows: int, dtype: torch.dtype) -> 
         assert torch.equal(linear(x, fetch, lora=call), apart)
 
 
-@f32_native
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 32, 33])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 37), (1, 1), (97, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_float32_projection_is_the_product(rows, out_features, in_features, with_bias):
+def test_float32_projection_is_the_product(f32_kernel, rows, out_features, in_features, with_bias):
     """Decode-sized batches through the native float32 projection, larger ones (33 rows)
     through oneDNN's: float32's product either way, to its rounding over the sum's length."""
     torch.manual_seed(rows * 1000 + out_features)
@@ -234,6 +244,7 @@ def test_float32_projection_is_the_product(rows, out_features, in_features, with
     bias = torch.randn(out_features) if with_bias else None
     x = torch.randn(rows, in_features)
     linear = device.Linear(weight, bias)
+    assert linear._native is f32_kernel
     assert linear.native(x) == (rows <= device.NATIVE_LINEAR_MAX_ROWS)
     want = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
     got = linear(x)

@@ -414,13 +414,12 @@ static int linear_refuses(const LinearCall *call) { return call->k % 2 != 0; }
 
 /* no more threads than work items (a narrow product of a few rows on one) */
 static int linear_threads(const LinearCall *call, int num_threads) {
-    const int64_t blocks = (call->n + LINEAR_COLS - 1) / LINEAR_COLS;
 #if defined(BF16_BY_FMA)
-    const int64_t items = blocks;
+    const int64_t tile_rows = call->m > 0 ? call->m : 1; /* a block's every row is one item */
 #else
-    const int64_t items = blocks * ((call->m + LINEAR_ROWS - 1) / LINEAR_ROWS);
+    const int64_t tile_rows = LINEAR_ROWS;
 #endif
-    return items < num_threads ? (int)items : num_threads;
+    return item_threads(call->m, call->n, LINEAR_COLS, tile_rows, num_threads);
 }
 #endif /* HAVE_AMX */
 

@@ -65,6 +65,13 @@ typedef struct {
     const char *from, *to; /* the part of the next block to fetch during the item (or NULL) */
 } Item;
 
+/* The threads a product takes: no more than its items (a narrow product of a few rows on one) */
+static inline int item_threads(int64_t m, int64_t n, int64_t block_cols, int64_t tile_rows,
+                               int num_threads) {
+    const int64_t items = (n + block_cols - 1) / block_cols * ((m + tile_rows - 1) / tile_rows);
+    return items < num_threads ? (int)items : num_threads;
+}
+
 static inline Items thread_items(int64_t m, int64_t n, int64_t block_cols, int64_t tile_rows,
                                  int64_t steps, const void *packed, int64_t block_bytes,
                                  int64_t t, int64_t nt) {

@@ -115,13 +115,6 @@ static void linear_thread_f32(const LinearCallF32 *call, int64_t t, int64_t nt,
     shrinks_due(lora, 0, 0);
 }
 
-/* no more threads than work items (a narrow product of a few rows on one) */
-static int threads_f32(const LinearCallF32 *call, int num_threads) {
-    const int64_t blocks = (call->n + F32_COLS - 1) / F32_COLS;
-    const int64_t items = blocks * ((call->m + F32_ROWS - 1) / F32_ROWS);
-    return items < num_threads ? (int)items : num_threads;
-}
-
 /* x [m, k] -> y [m, n], as LinearCallF32 describes them, the fetch ranges brought into cache
  * meanwhile; 0 */
 int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
@@ -130,7 +123,7 @@ int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const flo
     const LinearCallF32 call = {x, x_stride, m, k, packed, n, bias, y, y_stride,
                                 fetch_at, fetch_bytes, fetches};
     if (m <= 0 || n <= 0) return 0;
-#pragma omp parallel num_threads(threads_f32(&call, num_threads))
+#pragma omp parallel num_threads(item_threads(m, n, F32_COLS, F32_ROWS, num_threads))
     linear_thread_f32(&call, omp_get_thread_num(), omp_get_num_threads(), NULL);
     return 0;
 }

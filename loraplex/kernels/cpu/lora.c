@@ -114,15 +114,19 @@ static inline void expand_f32(float *y, const float *v, const float *pool, const
 }
 #endif
 
+/* The offsets of run s's rows of output i in a row table (a_rows or b_rows); NULL for s < 0 */
+static inline const int64_t *run_rows(const LoRABinding *bound, const int64_t *table, int64_t i,
+                                      int64_t s) {
+    return s < 0 ? NULL : table + bound->mods[i] * bound->mstride + s * bound->r;
+}
+
 /* Token t's rows of output i in a row table (a_rows or b_rows), and those of the next token
  * where it is on another run (to prefetch meanwhile; else NULL) */
 static inline const int64_t *token_rows(const LoRABinding *b, const int64_t *table, int64_t t,
                                         int64_t i, const int64_t **ahead) {
     const int64_t n = b->end - b->start, s = b->slots[t];
-    const int64_t later = t + 1 < n && b->slots[t + 1] != s ? b->slots[t + 1] : -1;
-    const int64_t *rows = table + b->mods[i] * b->mstride + s * b->r;
-    *ahead = later >= 0 ? rows + (later - s) * b->r : NULL;
-    return rows;
+    *ahead = run_rows(b, table, i, t + 1 < n && b->slots[t + 1] != s ? b->slots[t + 1] : -1);
+    return run_rows(b, table, i, s);
 }
 
 /* Token t's shrink for output i of a float32 call, into v (scaled) */
@@ -402,12 +406,6 @@ static void expand_block(uint16_t *y, int64_t y_stride, const int T, float v[][M
     }
 }
 #endif
-
-/* The offsets of run s's rows of output i in a row table (a_rows or b_rows); NULL for s < 0 */
-static inline const int64_t *run_rows(const LoRABinding *bound, const int64_t *table, int64_t i,
-                                      int64_t s) {
-    return s < 0 ? NULL : table + bound->mods[i] * bound->mstride + s * bound->r;
-}
 
 /* Module i of a block of T tokens from token t on (run s): the shrink (v, scaled), and the
  * expand into y; the rows of run `later` (-1: none) prefetched meanwhile; a block of one row by
