@@ -72,6 +72,10 @@ class CausalLM:
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
         self._bf16_ops = choose_bf16_ops(device, dtype)
+        # a step's layers in one native call where it takes the step (_fused_layers)
+        self._decoder = cpu_lora.load_decoder_layers() if self._bf16_ops is not None else None
+        self._decoder_layers: tuple[int, object] | None = None  # (the KV pool's address, them)
+        self.fuse_layers = True  # False: the calls one by one (tests compare the two)
         # the LoRA modules on each projection's output: (module, first column, width)
         c, inter = config, config.intermediate_size
         self._qkv_modules = (
@@ -107,12 +111,17 @@ class CausalLM:
         """-> final hidden states of the rows in `batch.logits_indices`: [num_sampled, hidden].
 
         Each layer's residual adds go with the norm that follows them (the next layer's input
-        norm after the MLP), so the bfloat16 path makes one pass of each add and norm."""
+        norm after the MLP), so the bfloat16 path makes one pass of each add and norm; where it
+        can, it runs every layer in one native call (_takes_fused)."""
         started = time.perf_counter()
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
-        cos, sin = self.rope.lookup(batch.positions)
         x = self._norm(hidden, self.layers[0].input_norm)
         steps = self._lora_steps(batch, x)
+        if self._takes_fused(batch, x, steps):
+            mlp = self._fused_layers(batch, kv, x, hidden)
+            rows = batch.logits_indices
+            return self._norm(hidden[rows] + mlp[rows], self.final_norm)
+        cos, sin = self.rope.lookup(batch.positions)
         # where gate_up may fetch the next layer's q,k,v rows, whether it does or each q,k,v
         # projection fetches its own is timed (fetch_placement.py)
         timed = steps[0].ahead is not None
@@ -132,6 +141,67 @@ class CausalLM:
         if timed:
             self.fetch_placement.record(fetch_ahead, x.shape[0], time.perf_counter() - started)
         return out
+
+    def _takes_fused(self, batch: ForwardBatch, x: torch.Tensor, steps: list[LayerLoRA]) -> bool:
+        """Whether the step's layers go in one native call: bfloat16 with the native ops, no
+        LoRA, every token a query row of the attention kernel, and every projection native for
+        its rows (their biases on q,k,v alone, as Layer has them)."""
+        if self._decoder is None or not self.fuse_layers or steps is not self._no_lora:
+            return False
+        if batch.attention_kernel is None or batch.prefills or x.dim() != 2:
+            return False
+        rows, first = x.shape[0], self.layers[0]
+        if batch.num_row_queries != rows or not x.is_contiguous():
+            return False
+        projections = (first.qkv, first.o, first.gate_up, first.down)
+        unbiased = all(p.bias is None for p in projections[1:])
+        return unbiased and all(p.native_rows(rows) for p in projections)
+
+    def _fused_layers(
+        self, batch: ForwardBatch, kv: KVCacheManager, x: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """Every layer in one native call (cpu/layers.c), the residual stream `hidden` added to
+        in place -> the last layer's MLP output (a workspace buffer, until the next step)."""
+        c, rows, space = self.config, x.shape[0], batch.workspace
+        layers, shape = self._decoder_arguments(kv)
+        take = {
+            name: space.take(f"layers_{name}", (rows, width), x.dtype)
+            for name, width in (
+                ("qkv", c.q_size + 2 * c.kv_size), ("q", c.q_size), ("attended", c.q_size),
+                ("o", c.hidden_size), ("gate_up", 2 * c.intermediate_size),
+                ("act", c.intermediate_size), ("down", c.hidden_size),
+            )
+        }  # fmt: skip
+        step = cpu_lora.DecoderStep(
+            rows, batch.row_block_tables.stride(0), batch.positions.data_ptr(),
+            batch.slot_pages.data_ptr(), batch.slot_offsets.data_ptr(),
+            batch.row_block_tables.data_ptr(), batch.row_lens.data_ptr(), x.data_ptr(),
+            hidden.data_ptr(), *(buffer.data_ptr() for buffer in take.values()),
+        )  # fmt: skip
+        self._decoder(layers, shape, step)
+        return take["down"]
+
+    def _decoder_arguments(self, kv: KVCacheManager) -> tuple:
+        """The layers' weights and caches and the model's shapes as cpu/layers.c takes them,
+        made once for the KV pool (whose pages never move)."""
+        first = kv.layer_cache(0)
+        if self._decoder_layers is not None and self._decoder_layers[0] == first.data_ptr():
+            return self._decoder_layers[1]
+        c = self.config
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [None]
+        layers = (cpu_lora.DecoderLayer * len(self.layers))(
+            *(
+                _decoder_layer(layer, next_norm, kv.layer_cache(i))
+                for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True))
+            )
+        )
+        shape = cpu_lora.DecoderShape(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            first.shape[1], first.stride(0), self.rope.cos.shape[0], self.rope.cos.data_ptr(),
+            self.rope.sin.data_ptr(), c.rms_norm_eps, self.scale,
+        )  # fmt: skip
+        self._decoder_layers = (first.data_ptr(), (layers, shape))
+        return layers, shape
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -227,6 +297,20 @@ class CausalLM:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
         return _project(step.down, hidden, layer.down)
+
+
+def _decoder_layer(
+    layer: Layer, next_norm: torch.Tensor | None, cache: torch.Tensor
+) -> cpu_lora.DecoderLayer:
+    """A layer as cpu/layers.c takes it: its native projections' packed weights, the q,k,v bias
+    (or none), its norm after attention, the next layer's input norm (none after the last) and
+    its KV cache."""
+    packed = [p._native_packed.data_ptr() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    bias = layer.qkv.bias.data_ptr() if layer.qkv.bias is not None else None
+    return cpu_lora.DecoderLayer(
+        packed[0], bias, *packed[1:], layer.post_attention_norm.data_ptr(),
+        next_norm.data_ptr() if next_norm is not None else None, cache.data_ptr(),
+    )  # fmt: skip
 
 
 StepLoRA = TorchLoRA | KernelLoRA  # a step's LoRA metadata (lora_batch.build_lora_batch)

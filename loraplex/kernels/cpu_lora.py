@@ -554,9 +554,64 @@ class CpuLinearF32(_NativeLinear):
         self.fetches = native
 
 
+class DecoderLayer(ctypes.Structure):
+    """One layer's weights as cpu/layers.c takes them"""
+
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "qkv", "qkv_bias", "o", "gate_up", "down", "post_attention_norm",
+            "next_input_norm", "kv",
+        )
+    ]  # fmt: skip
+
+
+class DecoderShape(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in (
+            "hidden", "heads", "kv_heads", "dim", "inter", "page_size", "page_stride",
+            "max_positions",
+        )),
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+    ]  # fmt: skip
+
+
+class DecoderStep(ctypes.Structure):
+    _fields_ = [
+        ("m", ctypes.c_int64), ("table_stride", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in (
+            "positions", "slot_pages", "slot_offsets", "tables", "lens", "x", "hidden", "qkv",
+            "q", "attended", "o", "gate_up", "act", "down",
+        )),
+    ]  # fmt: skip
+
+
+class CpuDecoderLayers:
+    """A bfloat16 step's decoder layers without LoRA in one native call (cpu/layers.c): the
+    calls CausalLM.forward otherwise makes one by one, with the same bits."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._run = lib.decode_layers_bf16
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2
+        self._run.argtypes += [ctypes.c_int]
+        self._run.restype = ctypes.c_int
+
+    def __call__(self, layers, shape: DecoderShape, step: DecoderStep) -> None:
+        """Runs `layers` (a ctypes array of DecoderLayer) on `step`; raises ValueError where a
+        call refused (a position past the rotary table, a shape a kernel does not take)."""
+        status = self._run(
+            ctypes.addressof(layers), len(layers), ctypes.addressof(shape),
+            ctypes.addressof(step), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"the native decoder layers cannot run this step ({status})")
+
+
 load = _loader(CpuLoRAKernel)
 load_attention = _loader(CpuAttentionKernel)
 load_bf16_ops = _loader(CpuBf16Ops)
 load_argmax = _loader(CpuArgmax)
+load_decoder_layers = _loader(CpuDecoderLayers)
 load_linear = _loader(CpuLinearBf16)
 load_linear_f32 = _loader(CpuLinearF32)

@@ -37,6 +37,9 @@ def test_prompt_tokens_attend_as_rows_of_the_kernel_in_bfloat16(tiny_llama, monk
     )
     settings = llm.engine.runner.settings
     assert settings.attention_kernel is not None and settings.prefill_in_kernel
+    # each layer's attention from Python, where this test sees its rows (in one native call the
+    # layers give the same bits: test_fused_layers.py)
+    llm.engine.runner.model.fuse_layers = False
     seen = {"rows": 0, "prefill_rows": 0, "after_cache": 0, "mixed": 0}
     attend = model_module.paged_attention
 

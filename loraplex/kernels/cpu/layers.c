@@ -1,0 +1,91 @@
+#include "common.h"
+
+/* A bfloat16 step's decoder layers without LoRA, every row a query row of the attention kernel,
+ * in one native call: per layer the calls the model makes one by one from Python (model.py,
+ * CausalLM.forward), in its order, on the same buffers' contents, so the same bits. One call
+ * instead of about eight a layer, each with its own ctypes and Python cost. On a 2-core Zen 4
+ * (family 25, model 17) the main thread of 32 sequences decoding spent 11.6% of its samples
+ * outside the native calls, of one sequence 20.7% (py-spy); benchmarks/fused_layers.py, the two
+ * ways alternated in one process: 32 requests of 64 + 64 tokens 1.055x the tokens/s, one of
+ * 64 + 256 1.25x, the same tokens and logprobs. */
+
+int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                int64_t fetches, int num_threads);
+int rope_write_bf16(const uint16_t *qkv, int64_t qkv_stride, int64_t n, int64_t heads,
+                    int64_t kv_heads, int64_t dim, const uint16_t *cos, const uint16_t *sin,
+                    int64_t max_positions, const int64_t *positions, uint16_t *q_out, uint16_t *kv,
+                    int64_t page_stride, const int64_t *slot_pages, const int64_t *slot_offsets,
+                    int num_threads);
+int attend_decode_bf16(const uint16_t *q, uint16_t *out, const uint16_t *kv, int64_t page_stride,
+                       const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t n,
+                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size,
+                       float scale, int num_threads);
+void add_rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *w, uint16_t *out,
+                       int64_t n, int64_t dim, float eps, int num_threads);
+void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t n, int64_t inter,
+                   uint16_t *out, int num_threads);
+
+/* One layer's weights: its projections packed for linear_bf16 (biases or NULL), the norm after
+ * attention, the next layer's input norm (NULL on the last layer) and the layer's KV cache. */
+typedef struct {
+    const uint16_t *qkv, *qkv_bias, *o, *gate_up, *down;
+    const uint16_t *post_attention_norm, *next_input_norm;
+    uint16_t *kv;
+} DecoderLayer;
+
+/* The model's shapes and its rotary tables */
+typedef struct {
+    int64_t hidden, heads, kv_heads, dim, inter, page_size, page_stride, max_positions;
+    const uint16_t *cos, *sin;
+    float eps, scale;
+} DecoderShape;
+
+/* A step's m rows: their positions, KV slots and attention tables, and its buffers, each
+ * contiguous: x [m, hidden] the first layer's normed input, and each layer's after it; hidden
+ * [m, hidden] the residual stream, added to in place; then scratch of each layer's stages.
+ * After the call, down holds the last layer's MLP output (not yet added to hidden). */
+typedef struct {
+    int64_t m, table_stride;
+    const int64_t *positions, *slot_pages, *slot_offsets, *tables, *lens;
+    uint16_t *x, *hidden, *qkv, *q, *attended, *o, *gate_up, *act, *down;
+} DecoderStep;
+
+/* -> 0, or the first failing call's status (nothing more done after it) */
+int decode_layers_bf16(const DecoderLayer *layers, int64_t num_layers, const DecoderShape *s,
+                       const DecoderStep *step, int num_threads) {
+    const int64_t m = step->m, hidden = s->hidden, q_size = s->heads * s->dim;
+    const int64_t qkv_size = q_size + 2 * s->kv_heads * s->dim;
+    int status = 0;
+    for (int64_t i = 0; i < num_layers && status == 0; i++) {
+        const DecoderLayer *l = &layers[i];
+        status = linear_bf16(step->x, hidden, m, hidden, l->qkv, qkv_size, l->qkv_bias, step->qkv,
+                             qkv_size, NULL, NULL, 0, num_threads);
+        if (status == 0)
+            status = rope_write_bf16(step->qkv, qkv_size, m, s->heads, s->kv_heads, s->dim,
+                                     s->cos, s->sin, s->max_positions, step->positions, step->q,
+                                     l->kv, s->page_stride, step->slot_pages, step->slot_offsets,
+                                     num_threads);
+        if (status == 0)
+            status = attend_decode_bf16(step->q, step->attended, l->kv, s->page_stride,
+                                        step->tables, step->table_stride, step->lens, m, s->heads,
+                                        s->kv_heads, s->dim, s->page_size, s->scale, num_threads);
+        if (status == 0)
+            status = linear_bf16(step->attended, q_size, m, q_size, l->o, hidden, NULL, step->o,
+                                 hidden, NULL, NULL, 0, num_threads);
+        if (status != 0) break;
+        add_rms_norm_bf16(step->hidden, step->o, l->post_attention_norm, step->x, m, hidden, s->eps,
+                          num_threads);
+        status = linear_bf16(step->x, hidden, m, hidden, l->gate_up, 2 * s->inter, NULL,
+                             step->gate_up, 2 * s->inter, NULL, NULL, 0, num_threads);
+        if (status != 0) break;
+        silu_mul_bf16(step->gate_up, 2 * s->inter, m, s->inter, step->act, num_threads);
+        status = linear_bf16(step->act, s->inter, m, s->inter, l->down, hidden, NULL, step->down,
+                             hidden, NULL, NULL, 0, num_threads);
+        if (status == 0 && l->next_input_norm != NULL)
+            add_rms_norm_bf16(step->hidden, step->down, l->next_input_norm, step->x, m, hidden,
+                              s->eps, num_threads);
+    }
+    return status;
+}
