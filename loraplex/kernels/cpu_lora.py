@@ -555,7 +555,8 @@ class CpuLinearF32(_NativeLinear):
 
 
 class DecoderLayer(ctypes.Structure):
-    """One layer's weights as cpu/layers.c takes them"""
+    """One layer as cpu/layers.c takes it: its packed projections (the q,k,v bias or NULL), the
+    norm after attention, the next layer's input norm (NULL after the last) and its KV cache."""
 
     _fields_ = [
         (name, ctypes.c_void_p)
@@ -567,6 +568,8 @@ class DecoderLayer(ctypes.Structure):
 
 
 class DecoderShape(ctypes.Structure):
+    """The model's shapes, KV page layout and rotary tables, as cpu/layers.c takes them."""
+
     _fields_ = [
         *((name, ctypes.c_int64) for name in (
             "hidden", "heads", "kv_heads", "dim", "inter", "page_size", "page_stride",
@@ -578,6 +581,9 @@ class DecoderShape(ctypes.Structure):
 
 
 class DecoderStep(ctypes.Structure):
+    """A step's rows (positions, KV slots, attention tables) and its buffers, as cpu/layers.c
+    takes them."""
+
     _fields_ = [
         ("m", ctypes.c_int64), ("table_stride", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in (
@@ -593,8 +599,7 @@ class CpuDecoderLayers:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._run = lib.decode_layers_bf16
-        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2
-        self._run.argtypes += [ctypes.c_int]
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 2, ctypes.c_int]
         self._run.restype = ctypes.c_int
 
     def __call__(self, layers, shape: DecoderShape, step: DecoderStep) -> None:

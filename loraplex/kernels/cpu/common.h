@@ -276,4 +276,25 @@ static inline void set_tile(TileConfig *c, int tile, int rows, int bytes) {
 #endif
 #endif /* AVX-512 */
 
+
+/* The entry points layers.c calls in turn (linear.c, ops.c, attention.c), declared here so that
+ * each definition is checked against what its callers are compiled with */
+int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                int64_t fetches, int num_threads);
+int rope_write_bf16(const uint16_t *qkv, int64_t qkv_stride, int64_t n, int64_t heads,
+                    int64_t kv_heads, int64_t dim, const uint16_t *cos, const uint16_t *sin,
+                    int64_t max_positions, const int64_t *positions, uint16_t *q_out, uint16_t *kv,
+                    int64_t page_stride, const int64_t *slot_pages, const int64_t *slot_offsets,
+                    int num_threads);
+int attend_decode_bf16(const uint16_t *q, uint16_t *out, const uint16_t *kv, int64_t page_stride,
+                       const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t n,
+                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size,
+                       float scale, int num_threads);
+void add_rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *w, uint16_t *out,
+                       int64_t n, int64_t dim, float eps, int num_threads);
+void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t n, int64_t inter,
+                   uint16_t *out, int num_threads);
+
 #endif
