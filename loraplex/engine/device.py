@@ -209,6 +209,11 @@ class Linear:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS_HINT)
             self.weight = None  # the packed copy replaces it
 
+    @property
+    def native_packed(self) -> torch.Tensor | None:
+        """W packed for the native projection (where it runs), as cpu/layers.c reads it too."""
+        return self._native_packed
+
     def native(self, x: torch.Tensor) -> bool:
         """Whether the product of x goes through the native projection."""
         return x.dim() == 2 and self.native_rows(x.shape[0])

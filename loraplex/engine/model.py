@@ -72,9 +72,21 @@ class CausalLM:
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
         self._bf16_ops = choose_bf16_ops(device, dtype)
-        # a step's layers in one native call where it takes the step (_fused_layers)
-        self._decoder = cpu_lora.load_decoder_layers() if self._bf16_ops is not None else None
+        # a step's layers in one native call where it takes the step (_fused_layers);
+        # cpu/layers.c takes a bias on q,k,v alone, as Layer has them
+        unbiased = all(
+            p.bias is None for layer in self.layers for p in (layer.o, layer.gate_up, layer.down)
+        )
+        fusable = self._bf16_ops is not None and unbiased
+        self._decoder = cpu_lora.load_decoder_layers() if fusable else None
         self._decoder_layers: tuple[int, object] | None = None  # (the KV pool's address, them)
+        inter = config.intermediate_size
+        self._layer_buffers = (  # workspace names and row widths of the layers' stages
+            ("layers_qkv", config.q_size + 2 * config.kv_size), ("layers_q", config.q_size),
+            ("layers_attended", config.q_size), ("layers_o", config.hidden_size),
+            ("layers_gate_up", 2 * inter), ("layers_act", inter),
+            ("layers_down", config.hidden_size),
+        )  # fmt: skip
         self.fuse_layers = True  # False: the calls one by one (tests compare the two)
         # the LoRA modules on each projection's output: (module, first column, width)
         c, inter = config, config.intermediate_size
@@ -116,12 +128,12 @@ class CausalLM:
         started = time.perf_counter()
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
         x = self._norm(hidden, self.layers[0].input_norm)
-        steps = self._lora_steps(batch, x)
-        if self._takes_fused(batch, x, steps):
+        if self._takes_fused(batch, x.shape[0]):
             mlp = self._fused_layers(batch, kv, x, hidden)
             rows = batch.logits_indices
             return self._norm(hidden[rows] + mlp[rows], self.final_norm)
         cos, sin = self.rope.lookup(batch.positions)
+        steps = self._lora_steps(batch, x)
         # where gate_up may fetch the next layer's q,k,v rows, whether it does or each q,k,v
         # projection fetches its own is timed (fetch_placement.py)
         timed = steps[0].ahead is not None
@@ -142,44 +154,33 @@ class CausalLM:
             self.fetch_placement.record(fetch_ahead, x.shape[0], time.perf_counter() - started)
         return out
 
-    def _takes_fused(self, batch: ForwardBatch, x: torch.Tensor, steps: list[LayerLoRA]) -> bool:
-        """Whether the step's layers go in one native call: bfloat16 with the native ops, no
-        LoRA, every token a query row of the attention kernel, and every projection native for
-        its rows (their biases on q,k,v alone, as Layer has them)."""
-        if self._decoder is None or not self.fuse_layers or steps is not self._no_lora:
+    def _takes_fused(self, batch: ForwardBatch, rows: int) -> bool:
+        """Whether the step's `rows` tokens go through the layers in one native call: bfloat16
+        with the native ops, no LoRA, every token a query row of the attention kernel, and
+        every projection native for that many rows."""
+        if self._decoder is None or not self.fuse_layers or batch.lora is not None:
             return False
-        if batch.attention_kernel is None or batch.prefills or x.dim() != 2:
+        if batch.attention_kernel is None or batch.num_row_queries != rows:
             return False
-        rows, first = x.shape[0], self.layers[0]
-        if batch.num_row_queries != rows or not x.is_contiguous():
-            return False
-        projections = (first.qkv, first.o, first.gate_up, first.down)
-        unbiased = all(p.bias is None for p in projections[1:])
-        return unbiased and all(p.native_rows(rows) for p in projections)
+        first = self.layers[0]
+        return all(p.native_rows(rows) for p in (first.qkv, first.o, first.gate_up, first.down))
 
     def _fused_layers(
         self, batch: ForwardBatch, kv: KVCacheManager, x: torch.Tensor, hidden: torch.Tensor
     ) -> torch.Tensor:
         """Every layer in one native call (cpu/layers.c), the residual stream `hidden` added to
         in place -> the last layer's MLP output (a workspace buffer, until the next step)."""
-        c, rows, space = self.config, x.shape[0], batch.workspace
+        rows, space = x.shape[0], batch.workspace
         layers, shape = self._decoder_arguments(kv)
-        take = {
-            name: space.take(f"layers_{name}", (rows, width), x.dtype)
-            for name, width in (
-                ("qkv", c.q_size + 2 * c.kv_size), ("q", c.q_size), ("attended", c.q_size),
-                ("o", c.hidden_size), ("gate_up", 2 * c.intermediate_size),
-                ("act", c.intermediate_size), ("down", c.hidden_size),
-            )
-        }  # fmt: skip
+        buffers = [space.take(name, (rows, width), x.dtype) for name, width in self._layer_buffers]
         step = cpu_lora.DecoderStep(
             rows, batch.row_block_tables.stride(0), batch.positions.data_ptr(),
             batch.slot_pages.data_ptr(), batch.slot_offsets.data_ptr(),
             batch.row_block_tables.data_ptr(), batch.row_lens.data_ptr(), x.data_ptr(),
-            hidden.data_ptr(), *(buffer.data_ptr() for buffer in take.values()),
+            hidden.data_ptr(), *(buffer.data_ptr() for buffer in buffers),
         )  # fmt: skip
         self._decoder(layers, shape, step)
-        return take["down"]
+        return buffers[-1]  # the down projection's
 
     def _decoder_arguments(self, kv: KVCacheManager) -> tuple:
         """The layers' weights and caches and the model's shapes as cpu/layers.c takes them,
@@ -305,7 +306,7 @@ def _decoder_layer(
     """A layer as cpu/layers.c takes it: its native projections' packed weights, the q,k,v bias
     (or none), its norm after attention, the next layer's input norm (none after the last) and
     its KV cache."""
-    packed = [p._native_packed.data_ptr() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    packed = [p.native_packed.data_ptr() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     bias = layer.qkv.bias.data_ptr() if layer.qkv.bias is not None else None
     return cpu_lora.DecoderLayer(
         packed[0], bias, *packed[1:], layer.post_attention_norm.data_ptr(),

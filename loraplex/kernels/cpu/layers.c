@@ -38,36 +38,34 @@ typedef struct {
 int decode_layers_bf16(const DecoderLayer *layers, int64_t num_layers, const DecoderShape *s,
                        const DecoderStep *step, int num_threads) {
     const int64_t m = step->m, hidden = s->hidden, q_size = s->heads * s->dim;
-    const int64_t qkv_size = q_size + 2 * s->kv_heads * s->dim;
-    int status = 0;
-    for (int64_t i = 0; i < num_layers && status == 0; i++) {
+    const int64_t qkv_size = q_size + 2 * s->kv_heads * s->dim, inter = s->inter;
+    int status;
+#define OR_RETURN(CALL)                                                                        \
+    if ((status = (CALL)) != 0) return status
+    for (int64_t i = 0; i < num_layers; i++) {
         const DecoderLayer *l = &layers[i];
-        status = linear_bf16(step->x, hidden, m, hidden, l->qkv, qkv_size, l->qkv_bias, step->qkv,
-                             qkv_size, NULL, NULL, 0, num_threads);
-        if (status == 0)
-            status = rope_write_bf16(step->qkv, qkv_size, m, s->heads, s->kv_heads, s->dim,
-                                     s->cos, s->sin, s->max_positions, step->positions, step->q,
-                                     l->kv, s->page_stride, step->slot_pages, step->slot_offsets,
-                                     num_threads);
-        if (status == 0)
-            status = attend_decode_bf16(step->q, step->attended, l->kv, s->page_stride,
-                                        step->tables, step->table_stride, step->lens, m, s->heads,
-                                        s->kv_heads, s->dim, s->page_size, s->scale, num_threads);
-        if (status == 0)
-            status = linear_bf16(step->attended, q_size, m, q_size, l->o, hidden, NULL, step->o,
-                                 hidden, NULL, NULL, 0, num_threads);
-        if (status != 0) break;
-        add_rms_norm_bf16(step->hidden, step->o, l->post_attention_norm, step->x, m, hidden, s->eps,
-                          num_threads);
-        status = linear_bf16(step->x, hidden, m, hidden, l->gate_up, 2 * s->inter, NULL,
-                             step->gate_up, 2 * s->inter, NULL, NULL, 0, num_threads);
-        if (status != 0) break;
-        silu_mul_bf16(step->gate_up, 2 * s->inter, m, s->inter, step->act, num_threads);
-        status = linear_bf16(step->act, s->inter, m, s->inter, l->down, hidden, NULL, step->down,
-                             hidden, NULL, NULL, 0, num_threads);
-        if (status == 0 && l->next_input_norm != NULL)
+        OR_RETURN(linear_bf16(step->x, hidden, m, hidden, l->qkv, qkv_size, l->qkv_bias,
+                              step->qkv, qkv_size, NULL, NULL, 0, num_threads));
+        OR_RETURN(rope_write_bf16(step->qkv, qkv_size, m, s->heads, s->kv_heads, s->dim, s->cos,
+                                  s->sin, s->max_positions, step->positions, step->q, l->kv,
+                                  s->page_stride, step->slot_pages, step->slot_offsets,
+                                  num_threads));
+        OR_RETURN(attend_decode_bf16(step->q, step->attended, l->kv, s->page_stride, step->tables,
+                                     step->table_stride, step->lens, m, s->heads, s->kv_heads,
+                                     s->dim, s->page_size, s->scale, num_threads));
+        OR_RETURN(linear_bf16(step->attended, q_size, m, q_size, l->o, hidden, NULL, step->o,
+                              hidden, NULL, NULL, 0, num_threads));
+        add_rms_norm_bf16(step->hidden, step->o, l->post_attention_norm, step->x, m, hidden,
+                          s->eps, num_threads);
+        OR_RETURN(linear_bf16(step->x, hidden, m, hidden, l->gate_up, 2 * inter, NULL,
+                              step->gate_up, 2 * inter, NULL, NULL, 0, num_threads));
+        silu_mul_bf16(step->gate_up, 2 * inter, m, inter, step->act, num_threads);
+        OR_RETURN(linear_bf16(step->act, inter, m, inter, l->down, hidden, NULL, step->down,
+                              hidden, NULL, NULL, 0, num_threads));
+        if (l->next_input_norm != NULL)
             add_rms_norm_bf16(step->hidden, step->down, l->next_input_norm, step->x, m, hidden,
                               s->eps, num_threads);
     }
-    return status;
+#undef OR_RETURN
+    return 0;
 }
