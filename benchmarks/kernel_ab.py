@@ -106,7 +106,7 @@ def _bound_calls(model) -> list:
     from loraplex.kernels import cpu_lora
 
     calls = []
-    for layer in model._steps[1] if model._steps else []:
+    for layer in model._steps.layers if model._steps else []:
         for step in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if step.plan is not None:
                 calls += [c for c in step.plan.calls if isinstance(c, cpu_lora.BoundLoRA)]
@@ -155,6 +155,7 @@ def main() -> None:
         for _ in range(warmup):
             engine.step()
         model = engine.runner.model
+        model.fuse_layers = False  # the LoRA calls from Python, where the builds swap
         if args.fetch != "timed":
             model.fetch_placement.fix(args.fetch == "ahead")
         builds = {

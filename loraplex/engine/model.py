@@ -6,9 +6,10 @@ SwiGLU MLP, optionally tied embeddings.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -99,8 +100,7 @@ class CausalLM:
         self._gate_up_modules = (("gate_proj", 0, inter), ("up_proj", inter, inter))
         self._down_modules = (("down_proj", 0, c.hidden_size),)
         self.fetch_placement = FetchPlacement()
-        # the last batch's LoRA steps (_lora_steps): its LoRA metadata and the steps
-        self._steps: tuple[StepLoRA, list[LayerLoRA]] | None = None
+        self._steps: BatchSteps | None = None  # the last batch's LoRA steps (_lora_steps)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._bf16_ops is not None:
@@ -128,16 +128,34 @@ class CausalLM:
         started = time.perf_counter()
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
         x = self._norm(hidden, self.layers[0].input_norm)
-        if self._takes_fused(batch, x.shape[0]):
-            mlp = self._fused_layers(batch, kv, x, hidden)
-            rows = batch.logits_indices
-            return self._norm(hidden[rows] + mlp[rows], self.final_norm)
-        cos, sin = self.rope.lookup(batch.positions)
         steps = self._lora_steps(batch, x)
         # where gate_up may fetch the next layer's q,k,v rows, whether it does or each q,k,v
         # projection fetches its own is timed (fetch_placement.py)
         timed = steps[0].ahead is not None
         fetch_ahead = not timed or self.fetch_placement.choose()
+        if self._takes_fused(batch, x.shape[0]):
+            mlp = self._fused_layers(batch, kv, x, hidden, fetch_ahead)
+        else:
+            hidden, mlp = self._layer_by_layer(batch, kv, x, hidden, steps, fetch_ahead)
+        rows = batch.logits_indices  # the last add only for the rows that sample
+        out = self._norm(hidden[rows] + mlp[rows], self.final_norm)
+        if timed:
+            self.fetch_placement.record(fetch_ahead, x.shape[0], time.perf_counter() - started)
+        return out
+
+    def _layer_by_layer(
+        self,
+        batch: ForwardBatch,
+        kv: KVCacheManager,
+        x: torch.Tensor,
+        hidden: torch.Tensor,
+        steps: list[LayerLoRA],
+        fetch_ahead: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer, its calls one by one -> the residual stream without the last layer's MLP
+        output, and that output. With `fetch_ahead`, each gate_up fetches the next layer's q,k,v
+        rows where its step has them (LayerLoRA.ahead), and that q,k,v projection fetches none."""
+        cos, sin = self.rope.lookup(batch.positions)
         fetched = False  # whether the layer before brought this layer's q,k,v LoRA rows in
         for index, (layer, step) in enumerate(zip(self.layers, steps, strict=True)):
             cache = kv.layer_cache(index)
@@ -148,28 +166,33 @@ class CausalLM:
             fetched = ahead is not None
             if index + 1 < len(self.layers):
                 hidden, x = self._add_norm(hidden, mlp, self.layers[index + 1].input_norm)
-        rows = batch.logits_indices  # the last add only for the rows that sample
-        out = self._norm(hidden[rows] + mlp[rows], self.final_norm)
-        if timed:
-            self.fetch_placement.record(fetch_ahead, x.shape[0], time.perf_counter() - started)
-        return out
+        return hidden, mlp
 
     def _takes_fused(self, batch: ForwardBatch, rows: int) -> bool:
         """Whether the step's `rows` tokens go through the layers in one native call: bfloat16
-        with the native ops, no LoRA, every token a query row of the attention kernel, and
-        every projection native for that many rows."""
-        if self._decoder is None or not self.fuse_layers or batch.lora is not None:
+        with the native ops, every token a query row of the attention kernel, every projection
+        native for that many rows, and every LoRA call (the batch's steps, _lora_steps) one the
+        native projection makes in its own call."""
+        if self._decoder is None or not self.fuse_layers:
             return False
         if batch.attention_kernel is None or batch.num_row_queries != rows:
+            return False
+        if batch.lora is not None and not self._steps.native:
             return False
         first = self.layers[0]
         return all(p.native_rows(rows) for p in (first.qkv, first.o, first.gate_up, first.down))
 
     def _fused_layers(
-        self, batch: ForwardBatch, kv: KVCacheManager, x: torch.Tensor, hidden: torch.Tensor
+        self,
+        batch: ForwardBatch,
+        kv: KVCacheManager,
+        x: torch.Tensor,
+        hidden: torch.Tensor,
+        fetch_ahead: bool,
     ) -> torch.Tensor:
         """Every layer in one native call (cpu/layers.c), the residual stream `hidden` added to
-        in place -> the last layer's MLP output (a workspace buffer, until the next step)."""
+        in place, the batch's LoRA calls and fetches as _layer_by_layer makes them -> the last
+        layer's MLP output (a workspace buffer, until the next step)."""
         rows, space = x.shape[0], batch.workspace
         layers, shape = self._decoder_arguments(kv)
         buffers = [space.take(name, (rows, width), x.dtype) for name, width in self._layer_buffers]
@@ -179,7 +202,8 @@ class CausalLM:
             batch.row_block_tables.data_ptr(), batch.row_lens.data_ptr(), x.data_ptr(),
             hidden.data_ptr(), *(buffer.data_ptr() for buffer in buffers),
         )  # fmt: skip
-        self._decoder(layers, shape, step)
+        lora = self._steps.native_calls(fetch_ahead) if batch.lora is not None else None
+        self._decoder(layers, shape, step, lora)
         return buffers[-1]  # the down projection's
 
     def _decoder_arguments(self, kv: KVCacheManager) -> tuple:
@@ -218,8 +242,8 @@ class CausalLM:
         lora, rows = batch.lora, x.shape[0]
         if lora is None:
             return self._no_lora
-        if self._steps is not None and self._steps[0] is lora:
-            return self._steps[1]
+        if self._steps is not None and self._steps.lora is lora:
+            return self._steps.layers
         projections = [
             (
                 _projection_step(lora, index, self._qkv_modules, rows, layer.qkv),
@@ -236,8 +260,24 @@ class CausalLM:
             next_qkv = projections[index + 1][0] if index + 1 < len(projections) else NO_LORA
             ahead = self._next_qkv_rows(lora, index, layer, rows, gate_up, next_qkv)
             steps.append(LayerLoRA(qkv, o, gate_up, down, ahead))
-        self._steps = (lora, steps)
+        self._steps = BatchSteps(lora, steps, self._native_steps(steps, rows, x.dtype))
         return steps
+
+    def _native_steps(self, steps: list[LayerLoRA], rows: int, dtype: torch.dtype) -> bool:
+        """Whether every LoRA call of `steps` is a native kernel call, which cpu/layers.c can
+        make as _project does (each checked to fit the step's `rows` rows)."""
+        for layer, step in zip(self.layers, steps, strict=True):
+            for projection, p in zip(
+                (layer.qkv, layer.o, layer.gate_up, layer.down),
+                (step.qkv, step.o, step.gate_up, step.down),
+                strict=True,
+            ):
+                calls = p.plan.calls if p.plan is not None else ()
+                if not all(isinstance(call, cpu_lora.BoundLoRA) for call in calls):
+                    return False
+                for call in calls:
+                    call.check_fits(rows, projection.out_features, dtype, dtype)
+        return True
 
     @functools.cached_property
     def _no_lora(self) -> list[LayerLoRA]:
@@ -298,6 +338,58 @@ class CausalLM:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
         return _project(step.down, hidden, layer.down)
+
+
+@dataclass
+class BatchSteps:
+    """A batch's LoRA steps (CausalLM._lora_steps), kept while its LoRA metadata is unchanged:
+    whether cpu/layers.c can make every LoRA call of theirs (`native`), and, once asked, them
+    as it takes them, by fetch placement."""
+
+    lora: StepLoRA
+    layers: list[LayerLoRA]
+    native: bool
+    _calls: dict[bool, tuple[ctypes.Array, list]] = field(default_factory=dict)
+
+    def native_calls(self, fetch_ahead: bool) -> ctypes.Array:
+        if fetch_ahead not in self._calls:
+            self._calls[fetch_ahead] = _native_lora(self.layers, fetch_ahead)
+        return self._calls[fetch_ahead][0]
+
+
+def _native_lora(steps: list[LayerLoRA], fetch_ahead: bool) -> tuple[ctypes.Array, list]:
+    """A batch's LoRA steps as cpu/layers.c takes them, each projection's LoRA calls and fetch
+    as _layer_by_layer and _project make them -> them, and the arrays they point to (the steps
+    hold the rest)."""
+    layers, held, fetched = [], [], False
+    for step in steps:
+        ahead = step.ahead if fetch_ahead else None
+        layers.append(
+            cpu_lora.LayerLoRA(
+                _native_projection(step.qkv, held, fetched=fetched),
+                _native_projection(step.o, held),
+                _native_projection(step.gate_up, held, ahead),
+                _native_projection(step.down, held),
+            )
+        )
+        fetched = ahead is not None
+    return (cpu_lora.LayerLoRA * len(layers))(*layers), held
+
+
+def _native_projection(
+    step: ProjectionStep,
+    held: list,
+    ahead: cpu_lora.Fetch | None = None,
+    fetched: bool = False,
+) -> cpu_lora.StepProjection:
+    """What _project does with a step, as cpu/layers.c takes it (arrays it makes put in `held`)."""
+    if step.plan is None:
+        return cpu_lora.StepProjection.of(None, None, ahead)
+    fetch = None if fetched else step.fetch
+    if step.fused is not None:
+        return cpu_lora.StepProjection.of(step.fused, None, fetch)
+    held.append(cpu_lora.after_calls(step.plan.calls))
+    return cpu_lora.StepProjection.of(None, held[-1], fetch)
 
 
 def _decoder_layer(

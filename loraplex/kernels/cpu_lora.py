@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -281,11 +282,17 @@ class BoundLoRA:
 
     def takes(self, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Whether the call has rows to take on (x, y); raises if x and y do not fit it."""
-        if x.stride(1) != 1 or y.stride(1) != 1 or min(x.shape[0], y.shape[0]) < self._end:
-            raise ValueError("x and y need unit column stride and the bound rows")
-        if y.shape[1] < self._columns or x.dtype != self._dtype or y.dtype != self._dtype:
-            raise ValueError("the outputs do not fit y, or x, y and the pool differ in dtype")
+        if x.stride(1) != 1 or y.stride(1) != 1:
+            raise ValueError("x and y need unit column stride")
+        self.check_fits(min(x.shape[0], y.shape[0]), y.shape[1], x.dtype, y.dtype)
         return not self.empty
+
+    def check_fits(self, rows: int, columns: int, *dtypes: torch.dtype) -> None:
+        """Raises unless x and y of `rows` rows, y of `columns` columns and of `dtypes` fit it."""
+        if rows < self._end:
+            raise ValueError("x and y need the bound rows")
+        if columns < self._columns or any(dtype != self._dtype for dtype in dtypes):
+            raise ValueError("the outputs do not fit y, or x, y and the pool differ in dtype")
 
 
 _ATTENTION_ARGTYPES = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
@@ -593,21 +600,62 @@ class DecoderStep(ctypes.Structure):
     ]  # fmt: skip
 
 
+class StepProjection(ctypes.Structure):
+    """What a projection does in a step besides its product, as cpu/layers.c takes it: its LoRA,
+    one call in its own native call (a LoRABinding's address, or None) or `calls` calls after
+    it (`after`, an array of their addresses), and the memory ranges it fetches meanwhile
+    (Fetch.pointers, or none)."""
+
+    _fields_ = [
+        ("lora", ctypes.c_void_p), ("after", ctypes.c_void_p), ("calls", ctypes.c_int64),
+        ("fetch_at", ctypes.c_void_p), ("fetch_bytes", ctypes.c_void_p),
+        ("fetches", ctypes.c_int64),
+    ]  # fmt: skip
+
+    @classmethod
+    def of(
+        cls, lora: BoundLoRA | None, after: ctypes.Array | None, fetch: Fetch | None
+    ) -> StepProjection:
+        """`lora`, none where it has no rows (as _NativeLinear makes none); `after`, an array of
+        the non-empty calls' bindings (after_calls); `fetch`: all held by the caller as long as
+        the structure is used."""
+        binding = lora.binding if lora is not None and not lora.empty else None
+        calls = len(after) if after is not None else 0
+        after_at = ctypes.addressof(after) if calls else None
+        return cls(binding, after_at, calls, *(fetch.pointers if fetch else _NO_FETCH))
+
+
+def after_calls(calls: Iterable[BoundLoRA]) -> ctypes.Array:
+    """The bindings of the calls with rows, in order, for StepProjection.of."""
+    bindings = [call.binding for call in calls if not call.empty]
+    return (ctypes.c_void_p * len(bindings))(*bindings)
+
+
+class LayerLoRA(ctypes.Structure):
+    """A layer's projections in a step with adapters, as cpu/layers.c takes them."""
+
+    _fields_ = [(name, StepProjection) for name in ("qkv", "o", "gate_up", "down")]
+
+
 class CpuDecoderLayers:
-    """A bfloat16 step's decoder layers without LoRA in one native call (cpu/layers.c): the
-    calls CausalLM.forward otherwise makes one by one, with the same bits."""
+    """A bfloat16 step's decoder layers in one native call (cpu/layers.c): the calls
+    CausalLM.forward otherwise makes one by one, with the same bits."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._run = lib.decode_layers_bf16
-        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 2, ctypes.c_int]
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int]
         self._run.restype = ctypes.c_int
 
-    def __call__(self, layers, shape: DecoderShape, step: DecoderStep) -> None:
-        """Runs `layers` (a ctypes array of DecoderLayer) on `step`; raises ValueError where a
-        call refused (a position past the rotary table, a shape a kernel does not take)."""
+    def __call__(self, layers, shape: DecoderShape, step: DecoderStep, lora=None) -> None:
+        """Runs `layers` (a ctypes array of DecoderLayer) on `step`, with `lora` (an array of
+        LayerLoRA as long, or None: no adapters); raises ValueError where a call refused (a
+        position past the rotary table, a shape a kernel does not take)."""
+        if lora is not None and len(lora) != len(layers):
+            raise ValueError("one LayerLoRA a layer")
         status = self._run(
             ctypes.addressof(layers), len(layers), ctypes.addressof(shape),
-            ctypes.addressof(step), torch.get_num_threads(),
+            ctypes.addressof(step), ctypes.addressof(lora) if lora is not None else None,
+            torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"the native decoder layers cannot run this step ({status})")

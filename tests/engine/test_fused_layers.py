@@ -1,13 +1,16 @@
-"""bfloat16 on CPU: a step's decoder layers without LoRA run in one native call (cpu/layers.c)
-where every projection is native for its rows. They must give the bits of the calls the model
-otherwise makes one by one, in prompt chunks and decode steps alike, with biases on q,k,v (the
-tiny Qwen2) and without."""
+"""bfloat16 on CPU: a step's decoder layers run in one native call (cpu/layers.c) where every
+projection is native for its rows, with the batch's LoRA calls made by the projections in it.
+They must give the bits of the calls the model otherwise makes one by one, in prompt chunks and
+decode steps alike, with biases on q,k,v (the tiny Qwen2) and without, with adapters of several
+ranks and module sets in one batch beside requests without one, wherever the q,k,v rows are
+fetched."""
 
 from __future__ import annotations
 
 import pytest
 
-from loraplex import SamplingParams
+from loraplex import LoRARequest, SamplingParams
+from loraplex.engine.adapters.peft_format import random_peft_adapter
 from tests.factories import make_llm
 
 PROMPTS = [
@@ -18,32 +21,77 @@ PROMPTS = [
 ]
 
 
-def run(llm, fused: bool) -> list:
+def run(llm, fused: bool, adapters=None) -> list:
     llm.engine.runner.model.fuse_layers = fused
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    results = llm.generate(PROMPTS, params)
+    prompts = PROMPTS * (len(adapters) // len(PROMPTS) + 1) if adapters else PROMPTS
+    results = llm.generate(prompts[: len(adapters or PROMPTS)], params, adapters=adapters)
     return [
         (r.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in r.outputs[0].logprobs])
         for r in results
     ]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_fused_layers_give_the_bits_of_the_calls_one_by_one(tiny_model_dirs, family):
-    llm = make_llm(tiny_model_dirs[family], dtype="bfloat16", max_num_batched_tokens=24)
+def fused_llm(model_dir):
+    """An engine in bfloat16 with its count of steps in one native call, those with LoRA and
+    all: (llm, counts); skips where the CPU has no native bfloat16 projection."""
+    # every run computes its prompts (in bfloat16 a prompt's LoRA spans round differently when
+    # part of it comes from the prefix cache), in chunks beside decode steps
+    llm = make_llm(
+        model_dir, dtype="bfloat16", max_num_batched_tokens=24, enable_prefix_caching=False
+    )
     model = llm.engine.runner.model
     if model._decoder is None or not model.layers[0].qkv.native_rows(1):
         pytest.skip("no native bfloat16 projection on this CPU")
-    fused_steps = 0
-    fuse = model._fused_layers
+    counts = {"all": 0, "lora": 0}
+    fuse = model._decoder
 
-    def counted(*args):
-        nonlocal fused_steps
-        fused_steps += 1
-        return fuse(*args)
+    def counted(layers, shape, step, lora=None):
+        counts["all"] += 1
+        counts["lora"] += lora is not None
+        return fuse(layers, shape, step, lora)
 
-    model._fused_layers = counted
+    model._decoder = counted
+    return llm, counts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_layers_give_the_bits_of_the_calls_one_by_one(tiny_model_dirs, family):
+    llm, counts = fused_llm(tiny_model_dirs[family])
     one_by_one = run(llm, fused=False)
-    assert fused_steps == 0
+    assert counts["all"] == 0
     assert run(llm, fused=True) == one_by_one
-    assert fused_steps >= 12  # the decode steps at least
+    assert counts["all"] >= 12  # the decode steps at least
+
+
+ADAPTERS = [  # rank, modules: q,v alone, attention, MLP alone, all seven, one module
+    (4, ("q_proj", "v_proj")),
+    (8, ("q_proj", "k_proj", "v_proj", "o_proj")),
+    (16, ("gate_proj", "up_proj", "down_proj")),
+    (2, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    (12, ("down_proj",)),
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("fetch_ahead", [True, False])
+def test_fused_layers_with_adapters_give_the_bits_of_the_calls_one_by_one(
+    tiny_model_dirs, tmp_path, family, fetch_ahead
+):
+    llm, counts = fused_llm(tiny_model_dirs[family])
+    engine = llm.engine
+    engine.runner.model.fetch_placement.fix(fetch_ahead)
+    config = engine.model_config
+    loras = [
+        LoRARequest(f"a{i}", str(random_peft_adapter(tmp_path / f"a{i}", config, r, m, i, 0.2)))
+        for i, (r, m) in enumerate(ADAPTERS)
+    ]
+    adapters = [*loras, None, *loras, None]  # each twice, beside requests without one
+    one_by_one = run(llm, fused=False, adapters=adapters)
+    assert counts["all"] == 0
+    assert run(llm, fused=True, adapters=adapters) == one_by_one
+    assert counts["lora"] >= 12  # the decode steps at least
+    # the adapters change what they touch, so a LoRA call left out or misplaced shows
+    base = run(llm, fused=True, adapters=[None] * len(adapters))
+    changed = [ours[0] != theirs[0] for ours, theirs in zip(one_by_one, base, strict=True)]
+    assert sum(changed) >= len(loras)

@@ -488,4 +488,13 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
     (void)y_stride, (void)fetch_at, (void)fetch_bytes, (void)fetches, (void)num_threads;
     return 2;
 }
+
+int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                     const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                     int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                     int64_t fetches, const LoRABinding *bound) {
+    (void)bound;
+    return linear_bf16(x, x_stride, m, k, packed, n, bias, y, y_stride, fetch_at, fetch_bytes,
+                       fetches, 1);
+}
 #endif

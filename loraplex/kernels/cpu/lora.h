@@ -73,4 +73,16 @@ __attribute__((visibility("hidden"))) int lora_passes_begin_f32(LoRAPasses *p,
 __attribute__((visibility("hidden"))) void lora_shrink_next(LoRAPasses *p);
 __attribute__((visibility("hidden"))) void lora_expands(LoRAPasses *p);
 
+/* The LoRA call `bound` on x [*, fin] and y (lora.c), as CpuLoRAKernel calls it; layers.c makes
+ * it after a projection whose LoRA takes more than one call */
+int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
+                    int64_t fin, const LoRABinding *bound);
+
+/* The projection x -> y and then the LoRA call `bound` on (x, y) in one parallel region (linear.c;
+ * layers.c makes it for each projection whose LoRA is one call) */
+int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
+                     const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
+                     int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
+                     int64_t fetches, const LoRABinding *bound);
+
 #endif
