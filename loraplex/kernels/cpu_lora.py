@@ -108,6 +108,11 @@ def zen4() -> bool:
     return amd_family_25 and "avx512f" in cpu_flags()
 
 
+def intel_fp16() -> bool:
+    """Whether the CPU is Intel's with AVX512-FP16: Xeons since Sapphire Rapids."""
+    return cpu_info().get("vendor_id") == "GenuineIntel" and "avx512_fp16" in cpu_flags()
+
+
 def zen4_bf16() -> bool:
     """Whether the CPU is AMD's Zen 4 with AVX512-BF16 (zen4), where the native bfloat16
     projection outruns oneDNN's at every batch size: on a 2-core EPYC (family 25, model 17),
@@ -547,18 +552,23 @@ class CpuLinearBf16(_NativeLinear):
 
 
 class CpuLinearF32(_NativeLinear):
-    """float32 dense projections for decode steps (cpu/linear_f32.c), fetching the LoRA call's
-    rows meanwhile, where they were measured faster than oneDNN's: on Zen 4 (zen4), in the
-    builds with AVX-512. Prompt chunks keep oneDNN's (256 rows: 1.08-1.13x its time there by
-    the median of 15 passes, 0.96x by the best of 7). With `any_cpu`, wherever the build has it
-    (benchmarks/prompt_projection.py measures it so)."""
+    """float32 dense projections for decode steps (cpu/linear_f32.c), in the builds with
+    AVX-512, where they were measured faster than oneDNN's (benchmarks/prompt_projection.py
+    --dtype float32, SmolLM2's projections over 30 layers at 32 rows):
+    - on Zen 4 (zen4): 0.80x oneDNN's time; it fetches the LoRA call's rows meanwhile there;
+    - on Intel with AVX512-FP16 (intel_fp16; a 2-core Xeon, family 6, model 207): 0.78x; it
+      fetches nothing there, where the fetch made a decode step of 32 sequences on 32 adapters
+      slower (q,v +3.2 ms, all-module +7.0 ms of 110-140 ms, engines stepped in turn).
+    Prompt chunks keep oneDNN's (256 rows on Zen 4: 1.08-1.13x its time by the median of 15
+    passes, 0.96x by the best of 7). With `any_cpu`, wherever the build has it, fetching (the
+    tests and benchmarks/prompt_projection.py measure it so)."""
 
     dtype = torch.float32
 
     def __init__(self, lib: ctypes.CDLL, any_cpu: bool = False) -> None:
-        native = bool(lib.linear_native_f32()) and (any_cpu or zen4())
+        native = bool(lib.linear_native_f32()) and (any_cpu or zen4() or intel_fp16())
         super().__init__(lib, native)
-        self.fetches = native
+        self.fetches = native and (any_cpu or zen4())
 
 
 class DecoderLayer(ctypes.Structure):

@@ -30,22 +30,25 @@ def test_auto_on_a_cpu_with_and_without_native_bfloat16(monkeypatch, native, exp
 
 
 @pytest.mark.parametrize(
-    "vendor, family, flags, fma_build, zen4",
+    "vendor, family, flags, fma_build, zen4, f32",
     [
-        ("AuthenticAMD", "25", "avx2 avx512f avx512_bf16", False, True),  # Zen 4
-        ("AuthenticAMD", "26", "avx2 avx512f avx512_bf16", False, False),  # Zen 5
-        ("AuthenticAMD", "25", "avx2", False, False),  # Zen 3: family 25, no AVX-512
-        ("GenuineIntel", "6", "avx2 avx512f avx512_bf16", True, False),  # AVX512-BF16, no AMX
-        ("GenuineIntel", "6", "avx2 avx512f avx512_bf16 amx_bf16", False, False),  # AMX
+        ("AuthenticAMD", "25", "avx2 avx512f avx512_bf16", False, True, "fetching"),  # Zen 4
+        ("AuthenticAMD", "26", "avx2 avx512f avx512_bf16", False, False, None),  # Zen 5
+        ("AuthenticAMD", "25", "avx2", False, False, None),  # Zen 3: family 25, no AVX-512
+        # Intel: AVX512-BF16 without AVX512-FP16 (Cooper Lake); since Sapphire Rapids, without
+        # AMX (as a hypervisor may offer it) and with
+        ("GenuineIntel", "6", "avx2 avx512f avx512_bf16", True, False, None),
+        ("GenuineIntel", "6", "avx2 avx512f avx512_bf16 avx512_fp16", True, False, "plain"),
+        ("GenuineIntel", "6", "avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16", False, False,
+         "plain"),
     ],
-)
-def test_the_bfloat16_kernels_follow_the_cpu_model(
-    monkeypatch, vendor, family, flags, fma_build, zen4
-):
+)  # fmt: skip
+def test_the_kernels_follow_the_cpu_model(monkeypatch, vendor, family, flags, fma_build, zen4, f32):
     """Which bfloat16 build and projection a CPU gets, from what /proc/cpuinfo reports: the FMA
     build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
     vdpbf16ps CPUs the native projection for prompt chunks and the lm_head as well; and the
-    native float32 projection on Zen 4 alone (where the library has it: AVX-512)."""
+    native float32 projection (where the library has it: AVX-512) on Zen 4, fetching the LoRA
+    rows, and on Intel since Sapphire Rapids, fetching none."""
     # this machine's build, taken before the CPU is faked: library() keeps what it first builds
     # for the process, and a faked CPU would have it build (and keep) that CPU's
     lib = cpu_lora.library()
@@ -59,8 +62,8 @@ def test_the_bfloat16_kernels_follow_the_cpu_model(
         # the vdpbf16ps build, which cannot tell Zen 4 from Zen 5: the CPU model decides
         assert cpu_lora.CpuLinearBf16(lib).any_rows == zen4
     if lib is not None and lib.linear_native_f32():
-        assert cpu_lora.CpuLinearF32(lib).supports(torch.float32) == zen4
-        assert cpu_lora.CpuLinearF32(lib).fetches == zen4
+        assert cpu_lora.CpuLinearF32(lib).supports(torch.float32) == (f32 is not None)
+        assert cpu_lora.CpuLinearF32(lib).fetches == (f32 == "fetching")
         assert not cpu_lora.CpuLinearF32(lib).supports(torch.bfloat16)
 
 
