@@ -260,7 +260,8 @@ class CausalLM:
             next_qkv = projections[index + 1][0] if index + 1 < len(projections) else NO_LORA
             ahead = self._next_qkv_rows(lora, index, layer, rows, gate_up, next_qkv)
             steps.append(LayerLoRA(qkv, o, gate_up, down, ahead))
-        self._steps = BatchSteps(lora, steps, self._native_steps(steps, rows, x.dtype))
+        native = self._decoder is not None and self._native_steps(steps, rows, x.dtype)
+        self._steps = BatchSteps(lora, steps, native)
         return steps
 
     def _native_steps(self, steps: list[LayerLoRA], rows: int, dtype: torch.dtype) -> bool:
