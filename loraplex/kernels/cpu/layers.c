@@ -3,14 +3,14 @@
 /* A bfloat16 step's decoder layers, every row a query row of the attention kernel, in one native
  * call: per layer the calls the model makes one by one from Python (model.py, CausalLM.forward),
  * in its order, on the same buffers' contents, so the same bits; with adapters, each projection
- * makes its LoRA call in its own native call (linear_lora_bf16), as the model's would. One call
- * instead of about eight a layer, each with its own ctypes and Python cost. On a 2-core Zen 4
- * (family 25, model 17) the main thread of 32 sequences decoding spent 11.6% of its samples
- * outside the native calls, of one sequence 20.7% (py-spy); benchmarks/fused_layers.py, the two
- * ways alternated in one process: 32 requests of 64 + 64 tokens 1.055x the tokens/s, one of
- * 64 + 256 1.25x, the same tokens and logprobs. On a 2-core Xeon with AMX (family 6, model
- * 207): 32 requests 1.17x on the base model, 1.14x on 32 q,v adapters, 1.17x on 32 all-module
- * ones. */
+ * makes its LoRA calls as the model's would: one in its own native call (linear_lora_bf16), or
+ * several after it. One call instead of about eight a layer, each with its own ctypes and Python
+ * cost. On a 2-core Zen 4 (family 25, model 17) the main thread of 32 sequences decoding spent
+ * 11.6% of its samples outside the native calls, of one sequence 20.7% (py-spy);
+ * benchmarks/fused_layers.py, the two ways alternated in one process: 32 requests of 64 + 64
+ * tokens 1.055x the tokens/s, one of 64 + 256 1.25x, the same tokens and logprobs. On a 2-core
+ * Xeon with AMX (family 6, model 207): 32 requests 1.17x on the base model, 1.14x on 32 q,v
+ * adapters, 1.17x on 32 all-module ones. */
 
 /* One layer's weights: its projections packed for linear_bf16 (biases or NULL), the norm after
  * attention, the next layer's input norm (NULL on the last layer) and the layer's KV cache. */
