@@ -131,12 +131,13 @@ class CausalLM:
         steps = self._lora_steps(batch, x)
         # where gate_up may fetch the next layer's q,k,v rows, whether it does or each q,k,v
         # projection fetches its own is timed (fetch_placement.py)
-        timed = steps[0].ahead is not None
+        timed = steps.layers[0].ahead is not None
         fetch_ahead = not timed or self.fetch_placement.choose()
-        if self._takes_fused(batch, x.shape[0]):
-            mlp = self._fused_layers(batch, kv, x, hidden, fetch_ahead)
+        if self._takes_fused(batch, x.shape[0], steps):
+            lora = steps.native_calls(fetch_ahead)
+            mlp = self._fused_layers(batch, kv, x, hidden, lora)
         else:
-            hidden, mlp = self._layer_by_layer(batch, kv, x, hidden, steps, fetch_ahead)
+            hidden, mlp = self._layer_by_layer(batch, kv, x, hidden, steps.layers, fetch_ahead)
         rows = batch.logits_indices  # the last add only for the rows that sample
         out = self._norm(hidden[rows] + mlp[rows], self.final_norm)
         if timed:
@@ -168,16 +169,14 @@ class CausalLM:
                 hidden, x = self._add_norm(hidden, mlp, self.layers[index + 1].input_norm)
         return hidden, mlp
 
-    def _takes_fused(self, batch: ForwardBatch, rows: int) -> bool:
+    def _takes_fused(self, batch: ForwardBatch, rows: int, steps: BatchSteps) -> bool:
         """Whether the step's `rows` tokens go through the layers in one native call: bfloat16
         with the native ops, every token a query row of the attention kernel, every projection
-        native for that many rows, and every LoRA call (the batch's steps, _lora_steps) one the
-        native projection makes in its own call."""
-        if self._decoder is None or not self.fuse_layers:
+        native for that many rows, and every LoRA call of the batch's `steps` one cpu/layers.c
+        makes."""
+        if self._decoder is None or not self.fuse_layers or not steps.native:
             return False
         if batch.attention_kernel is None or batch.num_row_queries != rows:
-            return False
-        if batch.lora is not None and not self._steps.native:
             return False
         first = self.layers[0]
         return all(p.native_rows(rows) for p in (first.qkv, first.o, first.gate_up, first.down))
@@ -188,11 +187,11 @@ class CausalLM:
         kv: KVCacheManager,
         x: torch.Tensor,
         hidden: torch.Tensor,
-        fetch_ahead: bool,
+        lora: ctypes.Array | None,
     ) -> torch.Tensor:
         """Every layer in one native call (cpu/layers.c), the residual stream `hidden` added to
-        in place, the batch's LoRA calls and fetches as _layer_by_layer makes them -> the last
-        layer's MLP output (a workspace buffer, until the next step)."""
+        in place, with the batch's LoRA calls and fetches `lora` (BatchSteps.native_calls) ->
+        the last layer's MLP output (a workspace buffer, until the next step)."""
         rows, space = x.shape[0], batch.workspace
         layers, shape = self._decoder_arguments(kv)
         buffers = [space.take(name, (rows, width), x.dtype) for name, width in self._layer_buffers]
@@ -202,7 +201,6 @@ class CausalLM:
             batch.row_block_tables.data_ptr(), batch.row_lens.data_ptr(), x.data_ptr(),
             hidden.data_ptr(), *(buffer.data_ptr() for buffer in buffers),
         )  # fmt: skip
-        lora = self._steps.native_calls(fetch_ahead) if batch.lora is not None else None
         self._decoder(layers, shape, step, lora)
         return buffers[-1]  # the down projection's
 
@@ -233,7 +231,7 @@ class CausalLM:
         """[num_sampled, hidden] -> [num_sampled, vocab] in float32."""
         return self.lm_head(hidden).float()
 
-    def _lora_steps(self, batch: ForwardBatch, x: torch.Tensor) -> list[LayerLoRA]:
+    def _lora_steps(self, batch: ForwardBatch, x: torch.Tensor) -> BatchSteps:
         """What each layer's projections take from the batch's LoRA metadata, decided once for
         a batch's adapters and kept for every step of an unchanged batch, as the metadata itself
         is (which also fixes the rows: one adapter entry a token). Decided anew at every
@@ -243,7 +241,7 @@ class CausalLM:
         if lora is None:
             return self._no_lora
         if self._steps is not None and self._steps.lora is lora:
-            return self._steps.layers
+            return self._steps
         projections = [
             (
                 _projection_step(lora, index, self._qkv_modules, rows, layer.qkv),
@@ -262,7 +260,7 @@ class CausalLM:
             steps.append(LayerLoRA(qkv, o, gate_up, down, ahead))
         native = self._decoder is not None and self._native_steps(steps, rows, x.dtype)
         self._steps = BatchSteps(lora, steps, native)
-        return steps
+        return self._steps
 
     def _native_steps(self, steps: list[LayerLoRA], rows: int, dtype: torch.dtype) -> bool:
         """Whether every LoRA call of `steps` is a native kernel call, which cpu/layers.c can
@@ -281,8 +279,10 @@ class CausalLM:
         return True
 
     @functools.cached_property
-    def _no_lora(self) -> list[LayerLoRA]:
-        return [LayerLoRA(NO_LORA, NO_LORA, NO_LORA, NO_LORA, None)] * len(self.layers)
+    def _no_lora(self) -> BatchSteps:
+        return BatchSteps(
+            None, [LayerLoRA(NO_LORA, NO_LORA, NO_LORA, NO_LORA, None)] * len(self.layers), True
+        )
 
     def _attention(
         self,
@@ -343,16 +343,19 @@ class CausalLM:
 
 @dataclass
 class BatchSteps:
-    """A batch's LoRA steps (CausalLM._lora_steps), kept while its LoRA metadata is unchanged:
-    whether cpu/layers.c can make every LoRA call of theirs (`native`), and, once asked, them
-    as it takes them, by fetch placement."""
+    """A batch's LoRA steps (CausalLM._lora_steps), kept while its LoRA metadata (`lora`, None
+    for a batch without adapters) is unchanged: whether cpu/layers.c can make every LoRA call
+    of theirs (`native`), and, once asked, them as it takes them, by fetch placement."""
 
-    lora: StepLoRA
+    lora: StepLoRA | None
     layers: list[LayerLoRA]
     native: bool
     _calls: dict[bool, tuple[ctypes.Array, list]] = field(default_factory=dict)
 
-    def native_calls(self, fetch_ahead: bool) -> ctypes.Array:
+    def native_calls(self, fetch_ahead: bool) -> ctypes.Array | None:
+        """The steps as cpu/layers.c takes them (None without adapters)."""
+        if self.lora is None:
+            return None
         if fetch_ahead not in self._calls:
             self._calls[fetch_ahead] = _native_lora(self.layers, fetch_ahead)
         return self._calls[fetch_ahead][0]
