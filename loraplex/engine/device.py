@@ -12,8 +12,7 @@ step's products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel
 tiles or AVX512-BF16 dot products (choose_linear); with AMX, in its FMA build and on Zen 4,
 every product does. In float32 on Zen 4 and on Intel Xeons since Sapphire Rapids, a decode
 step's products go through the native float32 kernel (IEEE products and sums, in another order
-than oneDNN's). Anywhere else (CUDA, or a CPU
-build without oneDNN), `torch.nn.functional.linear`.
+than oneDNN's). Anywhere else (CUDA, or a CPU build without oneDNN), `torch.nn.functional.linear`.
 """
 
 from __future__ import annotations

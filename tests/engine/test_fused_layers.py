@@ -24,8 +24,9 @@ PROMPTS = [
 def run(llm, fused: bool, adapters=None) -> list:
     llm.engine.runner.model.fuse_layers = fused
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    prompts = PROMPTS * (len(adapters) // len(PROMPTS) + 1) if adapters else PROMPTS
-    results = llm.generate(prompts[: len(adapters or PROMPTS)], params, adapters=adapters)
+    count = len(adapters) if adapters else len(PROMPTS)  # the prompts in turn, one a request
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(count)]
+    results = llm.generate(prompts, params, adapters=adapters)
     return [
         (r.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in r.outputs[0].logprobs])
         for r in results
