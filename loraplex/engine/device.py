@@ -234,6 +234,13 @@ class Linear:
         """Whether the product of a 2-D input of `rows` rows takes a `fetch`."""
         return self.native_rows(rows) and self._native.fetches and rows <= NATIVE_LINEAR_MAX_ROWS
 
+    def fetches_shrink_rows(self, rows: int) -> bool:
+        """Whether the product of a 2-D input of `rows` rows, making its LoRA call in its own
+        native call, takes a `fetch` of that call's A rows alone (cpu_lora.CpuLinearF32)."""
+        if not self.native_rows(rows) or rows > NATIVE_LINEAR_MAX_ROWS:
+            return False
+        return self._native.fetches_shrinks
+
     def __call__(
         self,
         x: torch.Tensor,

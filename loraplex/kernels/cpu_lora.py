@@ -471,12 +471,13 @@ _NO_FETCH = (None, None, 0)
 class _NativeLinear(_PerDtype):
     """A dense projection of the library's (y = x W^T (+ b) with W packed once) in one dtype,
     where it runs natively: `fetches`, whether it takes memory ranges to bring into cache
-    meanwhile; `any_rows`, whether it is the faster projection for any number of rows, not for
-    decode steps only. Wherever it runs, it also makes the LoRA call after it in the same
-    native call."""
+    meanwhile; `fetches_shrinks`, whether it takes only those of the A rows of the LoRA call it
+    makes itself (whose shrinks go between its items) where it takes no others; `any_rows`,
+    whether it is the faster projection for any number of rows, not for decode steps only.
+    Wherever it runs, it also makes the LoRA call after it in the same native call."""
 
     dtype: torch.dtype
-    fetches = any_rows = False
+    fetches = fetches_shrinks = any_rows = False
 
     def __init__(self, lib: ctypes.CDLL, native: bool) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
@@ -557,8 +558,16 @@ class CpuLinearF32(_NativeLinear):
     --dtype float32, SmolLM2's projections over 30 layers at 32 rows):
     - on Zen 4 (zen4): 0.80x oneDNN's time; it fetches the LoRA call's rows meanwhile there;
     - on Intel with AVX512-FP16 (intel_fp16; a 2-core Xeon, family 6, model 207): 0.78x; it
-      fetches nothing there, where the fetch made a decode step of 32 sequences on 32 adapters
-      slower (q,v +3.2 ms, all-module +7.0 ms of 110-140 ms, engines stepped in turn).
+      fetches only the A rows of the LoRA call it makes itself there (fetches_shrinks), spread
+      over the whole projection, ahead of the shrinks in its second half. In decode steps of 32
+      sequences on 32 adapters, all the call's rows made the step slower (q,v +3.2 ms,
+      all-module +7.0 ms of 110-140 ms, engines stepped in turn), and so, on q,v, did its B
+      rows alone (+0.17 ms over the whole projection, +0.76 ms over its second half) and its A
+      rows over the first half alone (+1.46 ms; scratch builds against the one without,
+      benchmarks/kernel_ab.py). The A rows over all of it: q,v 0.67-1.12 ms less extra over
+      base in three such runs (5.44 against 6.40 ms, say), and in the engine with the fetch on
+      and off step by step 0.84 and 0.53 ms less (paired medians of 60); all-module level
+      (-0.08, +0.44 and -0.27 ms, paired medians).
     Prompt chunks keep oneDNN's (256 rows on Zen 4: 1.08-1.13x its time by the median of 15
     passes, 0.96x by the best of 7). With `any_cpu`, wherever the build has it, fetching (the
     tests and benchmarks/prompt_projection.py measure it so)."""
@@ -569,6 +578,7 @@ class CpuLinearF32(_NativeLinear):
         native = bool(lib.linear_native_f32()) and (any_cpu or zen4() or intel_fp16())
         super().__init__(lib, native)
         self.fetches = native and (any_cpu or zen4())
+        self.fetches_shrinks = native and not self.fetches and intel_fp16()
 
 
 class DecoderLayer(ctypes.Structure):

@@ -38,9 +38,9 @@ def test_auto_on_a_cpu_with_and_without_native_bfloat16(monkeypatch, native, exp
         # Intel: AVX512-BF16 without AVX512-FP16 (Cooper Lake); since Sapphire Rapids, without
         # AMX (as a hypervisor may offer it) and with
         ("GenuineIntel", "6", "avx2 avx512f avx512_bf16", True, False, None),
-        ("GenuineIntel", "6", "avx2 avx512f avx512_bf16 avx512_fp16", True, False, "plain"),
+        ("GenuineIntel", "6", "avx2 avx512f avx512_bf16 avx512_fp16", True, False, "shrinks"),
         ("GenuineIntel", "6", "avx2 avx512f avx512_bf16 avx512_fp16 amx_bf16", False, False,
-         "plain"),
+         "shrinks"),
     ],
 )  # fmt: skip
 def test_the_kernels_follow_the_cpu_model(monkeypatch, vendor, family, flags, fma_build, zen4, f32):
@@ -48,7 +48,7 @@ def test_the_kernels_follow_the_cpu_model(monkeypatch, vendor, family, flags, fm
     build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
     vdpbf16ps CPUs the native projection for prompt chunks and the lm_head as well; and the
     native float32 projection (where the library has it: AVX-512) on Zen 4, fetching the LoRA
-    rows, and on Intel since Sapphire Rapids, fetching none."""
+    rows, and on Intel since Sapphire Rapids, fetching the A rows of the LoRA call it makes."""
     # this machine's build, taken before the CPU is faked: library() keeps what it first builds
     # for the process, and a faked CPU would have it build (and keep) that CPU's
     lib = cpu_lora.library()
@@ -64,6 +64,7 @@ def test_the_kernels_follow_the_cpu_model(monkeypatch, vendor, family, flags, fm
     if lib is not None and lib.linear_native_f32():
         assert cpu_lora.CpuLinearF32(lib).supports(torch.float32) == (f32 is not None)
         assert cpu_lora.CpuLinearF32(lib).fetches == (f32 == "fetching")
+        assert cpu_lora.CpuLinearF32(lib).fetches_shrinks == (f32 == "shrinks")
         assert not cpu_lora.CpuLinearF32(lib).supports(torch.bfloat16)
 
 

@@ -137,10 +137,12 @@ def test_odd_input_width_keeps_onednn():
 
 
 @bf16_native
-def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adapters):
+@pytest.mark.parametrize("shrinks_only", [False, True])
+def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adapters, shrinks_only):
     """For a decode batch over several adapters (different ranks and modules), the ranges a
     projection fetches for a LoRA call are each token's adapter rows for the call's modules, in
-    the kernel's order: A rows then B^T rows, module after module, token after token."""
+    the kernel's order: A rows then B^T rows, module after module, token after token; for the
+    call's shrinks alone, its A rows in that order."""
     llm = make_llm(tiny_llama, dtype="bfloat16")
     engine = llm.engine
     names = ["qv-r4", "attn-r8", "qkv-r8", "all-r2", "qv-r4"]
@@ -159,14 +161,15 @@ def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adap
     modules = (("q_proj", 0, c.q_size), ("k_proj", c.q_size, c.kv_size),
                ("v_proj", c.q_size + c.kv_size, c.kv_size))  # fmt: skip
     for layer in range(c.num_layers):
-        fetch = lora.fetch(layer, modules, c.hidden_size)
+        fetch = lora.fetch(layer, modules, c.hidden_size, shrinks_only)
         got = list(zip(fetch.at.tolist(), fetch.bytes.tolist(), strict=True))
         want = []
         for group in lora.groups:  # the kernel's order: group by group, token by token
             for adapter in token_adapters[group.start : group.end]:
                 for module, _, _ in modules:
                     if (layer, module) in adapter.targets:
-                        for m in (adapter.a_matrix(layer, module), adapter.b_matrix(layer, module)):
+                        a, b = adapter.a_matrix(layer, module), adapter.b_matrix(layer, module)
+                        for m in (a,) if shrinks_only else (a, b):
                             want += [(row.data_ptr(), row.nbytes) for row in m]
         assert got == want, layer
 

@@ -163,7 +163,7 @@ class TorchLoRA:
         self.pool = pool.view(-1)
         self.kernel = kernel
         self._windows: dict[int, torch.Tensor] = {}
-        self._fetches: dict[Modules, list[cpu_lora.Fetch | None]] = {}
+        self._fetches: dict[tuple[Modules, bool], list[cpu_lora.Fetch | None]] = {}
         self._plans: dict[tuple[int, Modules], ProjectionLoRA | None] = {}
         self.spans: list[TokenRun] = []
         grouped: list[TokenRun] = []
@@ -237,18 +237,24 @@ class TorchLoRA:
                 out = y[start:end, first : first + width]
                 out.addmm_(v, adapter.b_matrix(layer, module), alpha=adapter.scale)
 
-    def fetch(self, layer: int, modules: Modules, in_features: int) -> cpu_lora.Fetch | None:
+    def fetch(
+        self, layer: int, modules: Modules, in_features: int, shrinks_only: bool = False
+    ) -> cpu_lora.Fetch | None:
         """The pool rows the native kernel reads for `modules` of `layer` (every run's A and B^T
-        rows, run after run, in the kernel's order), for the projection before it to bring into
-        cache; None without the kernel or rows. Made for every layer at the first use."""
+        rows, run after run, in the kernel's order; with `shrinks_only`, its A rows alone), for
+        the projection before it to bring into cache; None without the kernel or rows. Made for
+        every layer at the first use."""
         if self.kernel is None:
             return None
-        if modules not in self._fetches:
-            self._fetches[modules] = self._fetch_ranges(modules, in_features)
-        ranges = self._fetches[modules]
+        key = (modules, shrinks_only)
+        if key not in self._fetches:
+            self._fetches[key] = self._fetch_ranges(modules, in_features, shrinks_only)
+        ranges = self._fetches[key]
         return ranges[layer] if ranges else None  # none: a batch of long prompt spans alone
 
-    def _fetch_ranges(self, modules: Modules, in_features: int) -> list[cpu_lora.Fetch | None]:
+    def _fetch_ranges(
+        self, modules: Modules, in_features: int, shrinks_only: bool
+    ) -> list[cpu_lora.Fetch | None]:
         """Every layer's ranges for `modules`: a group's for all the layers where it changes the
         same modules in one set of tensor ops. A layer at a time, they cost 1.8 ms for a batch
         on 32 q,v adapters and 6.5 ms on 32 all-module ones (2-core Xeon), again at every change
@@ -266,18 +272,19 @@ class TorchLoRA:
                 if outputs is not None:
                     alike.setdefault(tuple(outputs.rows.tolist()), (outputs, []))[1].append(layer)
             runs = g.a_rows.shape[2] // g.rank
+            tables = (g.a_rows,) if shrinks_only else (g.a_rows, g.b_rows)
+            kinds = len(tables)
             for outputs, same in alike.values():
                 index = torch.tensor(same)
                 # [layers, runs, modules, A or B, rank]: a run's rows of every module together
-                rows = torch.stack(
-                    [g.a_rows[index][:, outputs.rows], g.b_rows[index][:, outputs.rows]], 2
-                )
-                rows = rows.view(len(same), outputs.count, 2, runs, g.rank).permute(0, 3, 1, 2, 4)
-                addresses = (base + rows * size).reshape(len(same), -1)
+                rows = torch.stack([table[index][:, outputs.rows] for table in tables], 2)
+                rows = rows.view(len(same), outputs.count, kinds, runs, g.rank)
+                addresses = (base + rows.permute(0, 3, 1, 2, 4) * size).reshape(len(same), -1)
                 widths = torch.stack(
-                    [torch.full_like(outputs.widths, in_features), outputs.widths], 1
+                    [torch.full_like(outputs.widths, in_features), outputs.widths][:kinds], 1
                 )
-                lengths = (widths * size).view(1, -1, 2, 1).expand(runs, -1, 2, g.rank).flatten()
+                lengths = (widths * size).view(1, -1, kinds, 1)
+                lengths = lengths.expand(runs, -1, kinds, g.rank).flatten()
                 for layer, row in zip(same, addresses.unbind(0), strict=True):
                     at[layer].append(row)
                     nbytes[layer].append(lengths)
@@ -368,7 +375,9 @@ class KernelLoRA:
             return None
         return ProjectionLoRA((functools.partial(self.add, layer, modules),), None)
 
-    def fetch(self, layer: int, modules: Modules, in_features: int) -> None:
+    def fetch(
+        self, layer: int, modules: Modules, in_features: int, shrinks_only: bool = False
+    ) -> None:
         """Nothing to bring into cache ahead: the kernels run on a GPU."""
         return None
 
