@@ -173,7 +173,7 @@ static float window_half(const char *kv, int64_t kv_bytes, double window, const 
     const int64_t lines = fetch != NULL ? tokens / 2 * ((bytes + 63) / 64) : 0;
     int64_t issued = 0, t = tokens * th / 2, offset = 0, o = first;
     __m512 acc = _mm512_set1_ps(1.0f), scale = _mm512_set1_ps(0.999f);
-    for (int64_t round = 0;; round++) {
+    for (;;) {
         const double elapsed = now() - start;
         if (elapsed >= window && o >= last && issued >= lines) break;
         for (int i = 0; i < 64; i++) {

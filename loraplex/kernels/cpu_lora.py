@@ -564,10 +564,11 @@ class CpuLinearF32(_NativeLinear):
       all-module +7.0 ms of 110-140 ms, engines stepped in turn), and so, on q,v, did its B
       rows alone (+0.17 ms over the whole projection, +0.76 ms over its second half) and its A
       rows over the first half alone (+1.46 ms; scratch builds against the one without,
-      benchmarks/kernel_ab.py). The A rows over all of it: q,v 0.67-1.12 ms less extra over
-      base in three such runs (5.44 against 6.40 ms, say), and in the engine with the fetch on
-      and off step by step 0.84 and 0.53 ms less (paired medians of 60); all-module level
-      (-0.08, +0.44 and -0.27 ms, paired medians).
+      benchmarks/kernel_ab.py). The A rows over all of it: q,v extra over base 5.44, 5.88 and
+      5.44 against 6.40, 6.54 and 6.56 ms in three such runs (medians; paired medians of the
+      differences -0.55, +0.13 and -1.03 ms), and in the engine with the fetch on and off step
+      by step 0.84 and 0.53 ms less (paired medians of 60); all-module level (-0.08, +0.44,
+      -0.27 and +0.35 ms, paired medians).
     Prompt chunks keep oneDNN's (256 rows on Zen 4: 1.08-1.13x its time by the median of 15
     passes, 0.96x by the best of 7). With `any_cpu`, wherever the build has it, fetching (the
     tests and benchmarks/prompt_projection.py measure it so)."""
