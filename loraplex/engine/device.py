@@ -232,14 +232,16 @@ class Linear:
 
     def fetches_rows(self, rows: int) -> bool:
         """Whether the product of a 2-D input of `rows` rows takes a `fetch`."""
-        return self.native_rows(rows) and self._native.fetches and rows <= NATIVE_LINEAR_MAX_ROWS
+        return self._decode_native(rows) and self._native.fetches
 
     def fetches_shrink_rows(self, rows: int) -> bool:
         """Whether the product of a 2-D input of `rows` rows, making its LoRA call in its own
         native call, takes a `fetch` of that call's A rows alone (cpu_lora.CpuLinearF32)."""
-        if not self.native_rows(rows) or rows > NATIVE_LINEAR_MAX_ROWS:
-            return False
-        return self._native.fetches_shrinks
+        return self._decode_native(rows) and self._native.fetches_shrinks
+
+    def _decode_native(self, rows: int) -> bool:
+        """Whether a decode-sized product of `rows` rows goes through the native projection."""
+        return self.native_rows(rows) and rows <= NATIVE_LINEAR_MAX_ROWS
 
     def __call__(
         self,

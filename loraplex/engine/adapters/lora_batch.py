@@ -272,19 +272,19 @@ class TorchLoRA:
                 if outputs is not None:
                     alike.setdefault(tuple(outputs.rows.tolist()), (outputs, []))[1].append(layer)
             runs = g.a_rows.shape[2] // g.rank
-            tables = (g.a_rows,) if shrinks_only else (g.a_rows, g.b_rows)
-            kinds = len(tables)
             for outputs, same in alike.values():
                 index = torch.tensor(same)
-                # [layers, runs, modules, A or B, rank]: a run's rows of every module together
-                rows = torch.stack([table[index][:, outputs.rows] for table in tables], 2)
-                rows = rows.view(len(same), outputs.count, kinds, runs, g.rank)
+                # each kind of row the call reads (A; B^T unless shrinks_only) and its widths
+                kinds = [(g.a_rows, torch.full_like(outputs.widths, in_features))]
+                if not shrinks_only:
+                    kinds.append((g.b_rows, outputs.widths))
+                # [layers, runs, modules, kind, rank]: a run's rows of every module together
+                rows = torch.stack([table[index][:, outputs.rows] for table, _ in kinds], 2)
+                rows = rows.view(len(same), outputs.count, len(kinds), runs, g.rank)
                 addresses = (base + rows.permute(0, 3, 1, 2, 4) * size).reshape(len(same), -1)
-                widths = torch.stack(
-                    [torch.full_like(outputs.widths, in_features), outputs.widths][:kinds], 1
-                )
-                lengths = (widths * size).view(1, -1, kinds, 1)
-                lengths = lengths.expand(runs, -1, kinds, g.rank).flatten()
+                widths = torch.stack([width for _, width in kinds], 1)  # [modules, kind]
+                lengths = (widths * size).view(1, -1, len(kinds), 1)
+                lengths = lengths.expand(runs, -1, len(kinds), g.rank).flatten()
                 for layer, row in zip(same, addresses.unbind(0), strict=True):
                     at[layer].append(row)
                     nbytes[layer].append(lengths)
