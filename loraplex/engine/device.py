@@ -10,8 +10,8 @@ On CPU, dense projections run through oneDNN with weights prepacked once at load
 for the 32-to-256-row batches of a serving step, and still IEEE float32. In bfloat16, a decode
 step's products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel instead, on AMX
 tiles or AVX512-BF16 dot products (choose_linear); with AMX, in its FMA build and on Zen 4,
-every product does. In float32 on Zen 4 and on Intel Xeons since Sapphire Rapids, a decode
-step's products go through the native float32 kernel (IEEE products and sums, in another order
+every product does. In float32 on Zen 4 and on Intel Xeons with AVX-512, a decode step's
+products go through the native float32 kernel (IEEE products and sums, in another order
 than oneDNN's). Anywhere else (CUDA, or a CPU build without oneDNN), `torch.nn.functional.linear`.
 """
 
@@ -155,7 +155,7 @@ NATIVE_LINEAR_MAX_ROWS = 32
 def choose_linear(weight: torch.Tensor):
     """The native projection for a CPU weight, where it builds and runs natively for the weight's
     dtype: bfloat16 on a CPU with AMX or AVX512-BF16 (cpu_lora.CpuLinearBf16), float32 on Zen 4
-    and Intel with AVX512-FP16 (cpu_lora.CpuLinearF32); None elsewhere.
+    and Intel with AVX-512 (cpu_lora.CpuLinearF32); None elsewhere.
     LORAPLEX_ONEDNN_LINEAR=1 keeps oneDNN's alone."""
     if weight.device.type != "cpu" or os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1":
         return None
@@ -175,7 +175,8 @@ def native_lm_head(dtype: torch.dtype) -> bool:
     against oneDNN's 2.09 ms on a 2-core Xeon; on Zen 4, 4.8 against 5.3 ms; in the FMA build
     347 against 215 GFLOP/s); not on Zen 5, where oneDNN streamed it faster. In float32 wherever
     the native float32 projection runs, as choose_linear finds (Zen 4: 10.1-12.8 against
-    oneDNN's 13.1-14.7 ms; a Xeon with AVX512-FP16: 10.9 against 13.9 ms)."""
+    oneDNN's 13.1-14.7 ms; a Xeon with AVX512-FP16: 10.9 against 13.9 ms; a Cascade Lake Xeon:
+    11.2 and 14.1 against 12.3 and 16.3 ms)."""
     if dtype == torch.float32:
         return True
     kernel = cpu_lora.load_linear()

@@ -443,8 +443,8 @@ def _projection_step(
 ) -> ProjectionStep:
     """The step of the projection of `modules` in `layer` on a 2-D input of `rows` rows: the
     adapter rows brought into cache during the projection where it fetches (bfloat16 on
-    AVX512-BF16 without AMX, float32 on Zen 4; float32 on Intel, the A rows of the LoRA call it
-    makes itself), and the LoRA call made in its native call where it takes it."""
+    AVX512-BF16 without AMX, float32 on Zen 4; float32 on Intel with AVX512-FP16, the A rows of
+    the LoRA call it makes itself), and the LoRA call made in its native call where it takes it."""
     plan = lora.plan(layer, modules)
     if plan is None:
         return NO_LORA
