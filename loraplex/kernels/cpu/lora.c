@@ -25,14 +25,21 @@
  * without, a thread waits on memory at every row it starts. */
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 /* With AVX-512 a token's A rows go four at a time and its B rows all at once, 16 columns of y
- * held in a register while every row is added in, so that many rows stream from memory at once
- * where row after row (dot_f32_ahead, axpy_f32_ahead) kept two going; the next token's rows
- * into L2 rather than L1, as many lines at once. Each sum is those helpers' arithmetic in their
+ * held in a register (EXPAND_VECTORS such registers at once) while every row is added in, so
+ * that many rows stream from memory at once where row after row (dot_f32_ahead,
+ * axpy_f32_ahead) kept two going; the next token's rows into L2 rather than L1, as many lines
+ * at once. Each sum is those helpers' arithmetic in their
  * order (a 512-bit accumulator is their two 256-bit ones side by side; an element of y takes
  * the rows' products in turn), so the bits are theirs. On a 2-core Xeon (family 6, model 207),
  * decode steps of 32 sequences, the builds swapped step by step (benchmarks/kernel_ab.py): 32
  * all-module adapters 31.7 -> 30.1 ms of extra over base, 32 q,v adapters 6.48 -> 6.31 ms. */
 #define F32_AHEAD_HINT 2 /* __builtin_prefetch's locality for the next token's rows: into L2 */
+/* The expand's columns of y held at once, 16 a vector: each vector's sums are a chain of r
+ * dependent FMAs, and four chains keep the FMA units busy where one waited on the last (2-core
+ * Xeon, family 6, model 85, 32 sequences on 32 rank-16 adapters, builds swapped step by step,
+ * benchmarks/kernel_ab.py: extra over base -0.90 and -1.43 ms a step all-module, -0.94 ms q,v,
+ * paired medians of 60-100). */
+#define EXPAND_VECTORS 4
 
 /* out[i] = x . rows[i] (n elements) for i < 4, each as dot_f32_ahead sums it; the same lines of
  * ahead[i] (NULL: none) brought into cache meanwhile */
@@ -69,15 +76,24 @@ static inline void shrink4_f32(const float *x, const float *const *rows,
 static inline void expand_f32(float *y, const float *v, const float *pool, const int64_t *rows,
                               const int64_t *ahead, int64_t r, int64_t n) {
     const int64_t body = n - n % 8; /* axpy_f32_ahead's vector part; the rest is scalar */
-    for (int64_t k = 0; k < body; k += 16) {
-        const __mmask16 m = tail_mask(body - k);
-        __m512 yv = _mm512_maskz_loadu_ps(m, y + k);
-        for (int64_t j = 0; j < r; j++) {
-            if (ahead != NULL) __builtin_prefetch(pool + ahead[j] + k, 0, F32_AHEAD_HINT);
-            yv = _mm512_fmadd_ps(_mm512_set1_ps(v[j]), _mm512_maskz_loadu_ps(m, pool + rows[j] + k),
-                                 yv);
+    for (int64_t k = 0; k < body; k += 16 * EXPAND_VECTORS) {
+        __mmask16 m[EXPAND_VECTORS];
+        __m512 yv[EXPAND_VECTORS];
+        for (int c = 0; c < EXPAND_VECTORS; c++) {
+            const int64_t left = body - k - 16 * c;
+            m[c] = left > 0 ? tail_mask(left) : 0;
+            yv[c] = _mm512_maskz_loadu_ps(m[c], y + k + 16 * c);
         }
-        _mm512_mask_storeu_ps(y + k, m, yv);
+        for (int64_t j = 0; j < r; j++) {
+            const float *row = pool + rows[j] + k;
+            const __m512 vj = _mm512_set1_ps(v[j]);
+            for (int c = 0; c < EXPAND_VECTORS; c++) {
+                if (ahead != NULL && m[c])
+                    __builtin_prefetch(pool + ahead[j] + k + 16 * c, 0, F32_AHEAD_HINT);
+                yv[c] = _mm512_fmadd_ps(vj, _mm512_maskz_loadu_ps(m[c], row + 16 * c), yv[c]);
+            }
+        }
+        for (int c = 0; c < EXPAND_VECTORS; c++) _mm512_mask_storeu_ps(y + k + 16 * c, m[c], yv[c]);
     }
     for (int64_t j = 0; j < r && body < n; j++) {
         if (ahead != NULL) __builtin_prefetch(pool + ahead[j] + body, 0, F32_AHEAD_HINT);
