@@ -28,11 +28,11 @@
  * held in a register (EXPAND_VECTORS such registers at once) while every row is added in, so
  * that many rows stream from memory at once where row after row (dot_f32_ahead,
  * axpy_f32_ahead) kept two going; the next token's rows into L2 rather than L1, as many lines
- * at once. Each sum is those helpers' arithmetic in their
- * order (a 512-bit accumulator is their two 256-bit ones side by side; an element of y takes
- * the rows' products in turn), so the bits are theirs. On a 2-core Xeon (family 6, model 207),
- * decode steps of 32 sequences, the builds swapped step by step (benchmarks/kernel_ab.py): 32
- * all-module adapters 31.7 -> 30.1 ms of extra over base, 32 q,v adapters 6.48 -> 6.31 ms. */
+ * at once. Each sum is those helpers' arithmetic in their order (a 512-bit accumulator is
+ * their two 256-bit ones side by side; an element of y takes the rows' products in turn), so
+ * the bits are theirs. On a 2-core Xeon (family 6, model 207), decode steps of 32 sequences,
+ * the builds swapped step by step (benchmarks/kernel_ab.py): 32 all-module adapters 31.7 ->
+ * 30.1 ms of extra over base, 32 q,v adapters 6.48 -> 6.31 ms. */
 #define F32_AHEAD_HINT 2 /* __builtin_prefetch's locality for the next token's rows: into L2 */
 /* The expand's columns of y held at once, 16 a vector: each vector's sums are a chain of r
  * dependent FMAs, and four chains keep the FMA units busy where one waited on the last (2-core
