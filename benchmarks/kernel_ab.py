@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from lora_floor import ALL, QV, LoRASwitch
+from lora_floor import ALL, QV, LoRASwitch, load_random_adapters
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "loraplex/kernels/cpu"
@@ -130,8 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    from loraplex import LLM, LoRARequest, SamplingParams
-    from loraplex.engine.adapters.peft_format import random_peft_adapter
+    from loraplex import LLM, SamplingParams
     from loraplex.engine.default_model import resolve_model
 
     n, modules = args.sequences, QV if args.modules == "qv" else ALL
@@ -139,12 +138,7 @@ def main() -> None:
         other = build_at(args.against, Path(tmp))
         llm = LLM(model=str(resolve_model("default")), dtype=args.dtype)
         engine, dtype = llm.engine, getattr(torch, args.dtype)
-        loras = []
-        for i in range(n):
-            folder, config = Path(tmp) / f"a{i}", engine.model_config
-            path = random_peft_adapter(folder, config, 16, modules, seed=i)
-            loras.append(LoRARequest(f"a{i}", str(path)))
-            engine.load_adapter(loras[-1])
+        loras = load_random_adapters(llm, modules, n, Path(tmp))
         switch = LoRASwitch()
         warmup = 140  # past the prefills and the model's first timing of where rows are fetched
         params = SamplingParams(

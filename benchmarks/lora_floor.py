@@ -80,6 +80,29 @@ class LoRASwitch:
         return self.build(*args) if self.on else None
 
 
+def load_random_adapters(llm, modules, count: int, folder: Path, rank: int = 16) -> list:
+    """`count` random rank-`rank` adapters on `modules` (seeds 0 .. count - 1, written under
+    `folder`), loaded into `llm`'s engine: their LoRARequests, named a0, a1, ..."""
+    from loraplex import LoRARequest
+    from loraplex.engine.adapters.peft_format import random_peft_adapter
+
+    loras = []
+    for i in range(count):
+        path = random_peft_adapter(folder / f"a{i}", llm.engine.model_config, rank, modules, seed=i)
+        loras.append(LoRARequest(f"a{i}", str(path)))
+        llm.engine.load_adapter(loras[-1])
+    return loras
+
+
+def step_pair(engine, switch: LoRASwitch) -> tuple[float, float]:
+    """The times of a step with LoRA and of the next, the same batch with LoRA skipped (the
+    switch is left off)."""
+    switch.on = True
+    with_lora = _timed(engine.step)
+    switch.on = False
+    return with_lora, _timed(engine.step)
+
+
 @dataclasses.dataclass
 class Steps:
     with_lora: float  # median step time, seconds
@@ -111,10 +134,7 @@ def decode_steps(
         if probe is not None and i % SAMPLE_EVERY == 0:
             bandwidth.append(probe.read())
             engine.step()
-        switch.on = True
-        with_lora = _timed(engine.step)
-        switch.on = False
-        pairs.append((with_lora, _timed(engine.step)))
+        pairs.append(step_pair(engine, switch))
     switch.on = True
     while engine.has_unfinished():
         engine.step()
@@ -165,8 +185,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import loraplex.engine.adapters.lora_batch as lora_batch
-    from loraplex import LLM, LoRARequest
-    from loraplex.engine.adapters.peft_format import random_peft_adapter
+    from loraplex import LLM
     from loraplex.engine.default_model import resolve_model
     from loraplex.engine.fetch_placement import PAIRS as FETCH_PAIRS
 
@@ -177,14 +196,8 @@ def main() -> None:
 
     def engine_with(modules, count, tmp) -> tuple:
         llm = LLM(model=str(model_dir), dtype=args.dtype, max_num_batched_tokens=256)
-        config = llm.engine.model_config
-        loras = []
-        for i in range(count):
-            folder = Path(tmp) / f"{len(modules)}-{i}"
-            path = random_peft_adapter(folder, config, args.rank, modules, seed=i)
-            loras.append(LoRARequest(f"a{i}", str(path)))
-            llm.engine.load_adapter(loras[-1])
-        return llm, loras
+        folder = Path(tmp) / str(len(modules))
+        return llm, load_random_adapters(llm, modules, count, folder, args.rank)
 
     switch = LoRASwitch()
     results: dict[str, Steps] = {}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from lora_floor import ALL, QV, LoRASwitch, _timed
+from lora_floor import ALL, QV, LoRASwitch, load_random_adapters, step_pair
 
 WAYS = {"own": (False, False), "fetching": (True, False), "shrinks": (False, True)}
 
@@ -45,8 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from loraplex import LLM, LoRARequest, SamplingParams
-    from loraplex.engine.adapters.peft_format import random_peft_adapter
+    from loraplex import LLM, SamplingParams
     from loraplex.engine.default_model import resolve_model
     from loraplex.kernels import cpu_lora
 
@@ -59,13 +58,8 @@ def main() -> None:
 
     def decoding_engine(tmp: str, name: str) -> LLM:
         llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=256)
-        engine = llm.engine
-        for i, prompt in enumerate(make_prompts(llm.tokenizer, 32, 64)):
-            path = random_peft_adapter(
-                Path(tmp) / f"{name}{i}", engine.model_config, 16, modules, seed=i
-            )
-            lora = LoRARequest(f"a{i}", str(path))
-            engine.load_adapter(lora)
+        engine, loras = llm.engine, load_random_adapters(llm, modules, 32, Path(tmp) / name)
+        for prompt, lora in zip(make_prompts(llm.tokenizer, 32, 64), loras, strict=True):
             engine.add_request(engine.make_request(prompt, params, lora=lora))
         for _ in range(40):  # past the prefills
             engine.step()
@@ -82,21 +76,13 @@ def main() -> None:
         native = decoding_engine(tmp, "native")
 
         pairs: dict[str, list[tuple[float, float]]] = {}
-
-        def pair(llm: LLM, key: str) -> None:
-            switch.on = True
-            with_lora = _timed(llm.engine.step)
-            switch.on = False
-            pairs.setdefault(key, []).append((with_lora, _timed(llm.engine.step)))
-            switch.on = True
-
         for r in range(args.rounds):
             for way, (fetches, shrinks) in WAYS.items():
                 native_kernel.fetches, native_kernel.fetches_shrinks = fetches, shrinks
                 native.engine.runner.model._steps = None  # the projections' steps decided anew
                 turns = ((native, f"native, {way}"), (onednn, "oneDNN"))
                 for llm, key in turns if r % 2 == 0 else reversed(turns):
-                    pair(llm, key)
+                    pairs.setdefault(key, []).append(step_pair(llm.engine, switch))
 
     print(
         f"SmolLM2 float32, {args.threads} threads, 32 sequences on 32 rank-16 {args.modules} "
