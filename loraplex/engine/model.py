@@ -19,7 +19,7 @@ from loraplex.engine.adapters.lora_batch import KernelLoRA, Modules, ProjectionL
 from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.device import Linear, choose_bf16_ops, native_lm_head
+from loraplex.engine.device import Linear, choose_ops, native_lm_head
 from loraplex.engine.fetch_placement import FetchPlacement
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.kv_cache import KVCacheManager
@@ -72,14 +72,15 @@ class CausalLM:
         self.lm_head = Linear(weights.lm_head, decode_kernel=native_lm_head(weights.lm_head.dtype))
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
-        self._bf16_ops = choose_bf16_ops(device, dtype)
+        self._ops = choose_ops(device, dtype)
         # a step's layers in one native call where it takes the step (_fused_layers);
         # cpu/layers.c takes a bias on q,k,v alone, as Layer has them
         unbiased = all(
             p.bias is None for layer in self.layers for p in (layer.o, layer.gate_up, layer.down)
         )
-        fusable = self._bf16_ops is not None and unbiased
+        fusable = self._ops is not None and unbiased
         self._decoder = cpu_lora.load_decoder_layers() if fusable else None
+        self._dtype = dtype
         self._decoder_layers: tuple[int, object] | None = None  # (the KV pool's address, them)
         inter = config.intermediate_size
         self._layer_buffers = (  # workspace names and row widths of the layers' stages
@@ -103,18 +104,17 @@ class CausalLM:
         self._steps: BatchSteps | None = None  # the last batch's LoRA steps (_lora_steps)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._bf16_ops is not None:
-            return self._bf16_ops.rms_norm(x, weight, self.config.rms_norm_eps)
+        if self._ops is not None:
+            return self._ops.rms_norm(x, weight, self.config.rms_norm_eps)
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _add_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden + delta, its norm): in bfloat16 one native pass, the sum in place."""
-        if self._bf16_ops is not None:
-            return hidden, self._bf16_ops.add_rms_norm(
-                hidden, delta, weight, self.config.rms_norm_eps
-            )
+        """(hidden + delta, its norm): one native pass where the native ops run, the sum in
+        place."""
+        if self._ops is not None:
+            return hidden, self._ops.add_rms_norm(hidden, delta, weight, self.config.rms_norm_eps)
         hidden = hidden + delta
         return hidden, rms_norm(hidden, weight, self.config.rms_norm_eps)
 
@@ -123,7 +123,7 @@ class CausalLM:
         """-> final hidden states of the rows in `batch.logits_indices`: [num_sampled, hidden].
 
         Each layer's residual adds go with the norm that follows them (the next layer's input
-        norm after the MLP), so the bfloat16 path makes one pass of each add and norm; where it
+        norm after the MLP), so the native ops make one pass of each add and norm; where it
         can, it runs every layer in one native call (_takes_fused)."""
         started = time.perf_counter()
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
@@ -170,10 +170,9 @@ class CausalLM:
         return hidden, mlp
 
     def _takes_fused(self, batch: ForwardBatch, rows: int, steps: BatchSteps) -> bool:
-        """Whether the step's `rows` tokens go through the layers in one native call: bfloat16
-        with the native ops, every token a query row of the attention kernel, every projection
-        native for that many rows, and every LoRA call of the batch's `steps` one cpu/layers.c
-        makes."""
+        """Whether the step's `rows` tokens go through the layers in one native call: the native
+        ops, every token a query row of the attention kernel, every projection native for that
+        many rows, and every LoRA call of the batch's `steps` one cpu/layers.c makes."""
         if self._decoder is None or not self.fuse_layers or not steps.native:
             return False
         if batch.attention_kernel is None or batch.num_row_queries != rows:
@@ -201,7 +200,7 @@ class CausalLM:
             batch.row_block_tables.data_ptr(), batch.row_lens.data_ptr(), x.data_ptr(),
             hidden.data_ptr(), *(buffer.data_ptr() for buffer in buffers),
         )  # fmt: skip
-        self._decoder(layers, shape, step, lora)
+        self._decoder(self._dtype, layers, shape, step, lora)
         return buffers[-1]  # the down projection's
 
     def _decoder_arguments(self, kv: KVCacheManager) -> tuple:
@@ -297,8 +296,8 @@ class CausalLM:
     ) -> torch.Tensor:
         c = self.config
         qkv = _project(step.qkv, x, layer.qkv, fetched=fetched)
-        if self._bf16_ops is not None:
-            q = self._bf16_ops.rotate_and_write(
+        if self._ops is not None:
+            q = self._ops.rotate_and_write(
                 qkv, c.num_heads, c.num_kv_heads, self.rope.cos, self.rope.sin, batch.positions,
                 kv_cache, batch.slot_pages, batch.slot_offsets,
             )  # fmt: skip
@@ -333,8 +332,8 @@ class CausalLM:
         self, layer: Layer, step: LayerLoRA, x: torch.Tensor, ahead: cpu_lora.Fetch | None
     ) -> torch.Tensor:
         gate_up = _project(step.gate_up, x, layer.gate_up, ahead)
-        if self._bf16_ops is not None:
-            hidden = self._bf16_ops.silu_mul(gate_up)
+        if self._ops is not None:
+            hidden = self._ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up

@@ -2,11 +2,13 @@
 into one library, loaded with ctypes. The LoRA kernel is called once per (layer, projection
 input, group of runs): q, k and v in one call, gate and up in one; the attention kernel
 (`CpuAttentionKernel`: decode tokens, and in bfloat16 prompt tokens too) once per layer, as are
-a bfloat16 model's norms and rotary embedding (`CpuBf16Ops`); greedy sampling's argmax
-(`CpuArgmax`) once per step; on CPUs with AMX or AVX512-BF16, a bfloat16 decode step's dense
-projections (`CpuLinearBf16`; every product with AMX, in its FMA build and on Zen 4), and on Zen 4
-a float32 one's (`CpuLinearF32`), each making the LoRA call after it in the same native call and,
-but with AMX, bringing that call's adapter rows into cache while it computes (`Fetch`).
+the model's norms and rotary embedding (`CpuOps`); greedy sampling's argmax (`CpuArgmax`) once
+per step; on CPUs with AMX or AVX512-BF16, a bfloat16 decode step's dense projections
+(`CpuLinearBf16`; every product with AMX, in its FMA build and on Zen 4), and on Zen 4 and Intel
+with AVX-512 a float32 one's (`CpuLinearF32`), each making the LoRA call after it in the same
+native call and, but with AMX, bringing that call's adapter rows into cache while it computes
+(`Fetch`); where every projection of a step is native, its decoder layers in one call
+(`CpuDecoderLayers`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -343,33 +345,36 @@ class CpuAttentionKernel(_PerDtype):
         return out
 
 
-class CpuBf16Ops:
-    """Small per-layer ops of a bfloat16 model, each one native call instead of several torch
-    ops, the bits of the torch ops (cpu/ops.c): RMSNorm (12 against 32 us for 32 rows of
-    576; it sums a row in its own order, which moves an element by one rounding step now and
-    then: 3 of 172,800 in one test), alone or after the residual add; SwiGLU's product; and the
-    rotary embedding with the KV write (1.1 against 2.0 ms a decode step of 32 sequences)."""
+class CpuOps(_PerDtype):
+    """Small per-layer ops of a bfloat16 or float32 model, each one native call instead of
+    several torch ops (cpu/ops.c): RMSNorm, alone or after the residual add; SwiGLU's product;
+    and the rotary embedding with the KV write. In bfloat16 the bits of the torch ops but for a
+    rare rounding step (RMSNorm 12 against 32 us for 32 rows of 576; it sums a row in its own
+    order, which moves an element by one rounding step now and then: 3 of 172,800 in one test;
+    the rotary embedding and KV write 1.1 against 2.0 ms a decode step of 32 sequences). In
+    float32 the rotary embedding's bits, the norm's and SwiGLU's within a few units in the last
+    place (the norm's sum of squares in another order, the exp a series)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        bf16 = {torch.bfloat16: "bf16"}
         norm = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
-        self._norm = _bind(lib, "rms_norm", norm, None, bf16)[torch.bfloat16]
+        self._norm = _bind(lib, "rms_norm", norm, None)
         add_norm = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
-        self._add_norm = _bind(lib, "add_rms_norm", add_norm, None, bf16)[torch.bfloat16]
+        self._add_norm = _bind(lib, "add_rms_norm", add_norm, None)
         swiglu = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
-        self._silu_mul = _bind(lib, "silu_mul", swiglu, None, bf16)[torch.bfloat16]
+        self._silu_mul = _bind(lib, "silu_mul", swiglu, None)
         rope = [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p] * 2
         rope += [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
         rope += [ctypes.c_void_p] * 2 + [ctypes.c_int]
-        self._rope = _bind(lib, "rope_write", rope, ctypes.c_int, bf16)[torch.bfloat16]
+        self._rope = _bind(lib, "rope_write", rope, ctypes.c_int)
+        self._functions = self._rope  # what supports() asks: each op has both dtypes
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x [n, dim] bfloat16 (made contiguous), weight [dim] bfloat16 -> [n, dim]. The same
-        bits as the reference's torch ops (in float32, the normalized row rounded, then times
-        the weight, rounded)."""
+        """x [n, dim] (made contiguous), weight [dim], both bfloat16 or both float32 -> [n, dim].
+        The reference's torch ops (in float32, the normalized row rounded to the dtype, then
+        times the weight, rounded)."""
         x = x.contiguous()
         out = torch.empty_like(x)
-        self._norm(
+        self._norm[x.dtype](
             x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
             torch.get_num_threads(),
         )  # fmt: skip
@@ -378,26 +383,26 @@ class CpuBf16Ops:
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
-        """hidden += delta (both [n, dim] bfloat16, contiguous; hidden in place) -> RMSNorm of
-        the sum, as `rms_norm` gives it."""
+        """hidden += delta (both [n, dim], contiguous, of the weight's dtype; hidden in place) ->
+        RMSNorm of the sum, as `rms_norm` gives it."""
         if not (hidden.is_contiguous() and delta.is_contiguous()):
             raise ValueError("hidden and delta must be contiguous")
         out = torch.empty_like(hidden)
-        self._add_norm(
+        self._add_norm[hidden.dtype](
             hidden.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
             hidden.shape[0], hidden.shape[1], eps, torch.get_num_threads(),
         )  # fmt: skip
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [n, 2 * inter] bfloat16 (unit column stride) -> silu(gate) * up [n, inter],
-        the bits of torch's silu and multiply (but where the exp's series and torch's differ
-        across a rounding boundary: none in the tests' 1.4 million values)."""
+        """gate_up [n, 2 * inter] (unit column stride) -> silu(gate) * up [n, inter]: in
+        bfloat16 the bits of torch's silu and multiply (but where the exp's series and torch's
+        differ across a rounding boundary: none in the tests' 1.4 million values)."""
         if gate_up.stride(1) != 1:
             raise ValueError("gate_up needs unit column stride")
         n, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(n, inter, dtype=gate_up.dtype)
-        self._silu_mul(
+        self._silu_mul[gate_up.dtype](
             gate_up.data_ptr(), gate_up.stride(0), n, inter, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
@@ -415,16 +420,17 @@ class CpuBf16Ops:
         slot_pages: torch.Tensor,
         slot_offsets: torch.Tensor,
     ) -> torch.Tensor:
-        """qkv [n, (heads + 2 * kv_heads) * dim] bfloat16 (unit column stride) -> q [n, heads,
-        dim] rotated; k rotated and v written to slot (slot_pages[i], slot_offsets[i]) of
-        kv_cache [pages, page_size, 2, kv_heads, dim] (each page contiguous). cos, sin
-        [max_positions, dim] bfloat16 tables, contiguous; positions, slot_pages, slot_offsets
-        int64 [n], contiguous. The same bits as RotaryEmbedding.rotate and write_kv."""
+        """qkv [n, (heads + 2 * kv_heads) * dim] (unit column stride) -> q [n, heads, dim]
+        rotated; k rotated and v written to slot (slot_pages[i], slot_offsets[i]) of kv_cache
+        [pages, page_size, 2, kv_heads, dim] (each page contiguous). cos, sin [max_positions,
+        dim] tables, contiguous, of qkv's dtype (bfloat16 or float32), as kv_cache; positions,
+        slot_pages, slot_offsets int64 [n], contiguous. The same bits as RotaryEmbedding.rotate
+        and write_kv."""
         n, dim = qkv.shape[0], cos.shape[1]
         if qkv.stride(1) != 1 or qkv.shape[1] != (heads + 2 * kv_heads) * dim:
             raise ValueError("qkv must be [n, (heads + 2 * kv_heads) * dim], unit column stride")
         q = torch.empty(n, heads, dim, dtype=qkv.dtype)
-        status = self._rope(
+        status = self._rope[qkv.dtype](
             qkv.data_ptr(), qkv.stride(0), n, heads, kv_heads, dim, cos.data_ptr(),
             sin.data_ptr(), cos.shape[0], positions.data_ptr(), q.data_ptr(),
             kv_cache.data_ptr(), kv_cache.stride(0), slot_pages.data_ptr(),
@@ -669,22 +675,23 @@ class LayerLoRA(ctypes.Structure):
     _fields_ = [(name, StepProjection) for name in ("qkv", "o", "gate_up", "down")]
 
 
-class CpuDecoderLayers:
-    """A bfloat16 step's decoder layers in one native call (cpu/layers.c): the calls
+class CpuDecoderLayers(_PerDtype):
+    """A bfloat16 or float32 step's decoder layers in one native call (cpu/layers.c): the calls
     CausalLM.forward otherwise makes one by one, with the same bits."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._run = lib.decode_layers_bf16
-        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int]
-        self._run.restype = ctypes.c_int
+        argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int]
+        self._functions = _bind(lib, "decode_layers", argtypes, ctypes.c_int)
 
-    def __call__(self, layers, shape: DecoderShape, step: DecoderStep, lora=None) -> None:
-        """Runs `layers` (a ctypes array of DecoderLayer) on `step`, with `lora` (an array of
-        LayerLoRA as long, or None: no adapters); raises ValueError where a call refused (a
-        position past the rotary table, a shape a kernel does not take)."""
+    def __call__(
+        self, dtype: torch.dtype, layers, shape: DecoderShape, step: DecoderStep, lora=None
+    ) -> None:
+        """Runs `layers` (a ctypes array of DecoderLayer, of `dtype`) on `step`, with `lora` (an
+        array of LayerLoRA as long, or None: no adapters); raises ValueError where a call
+        refused (a position past the rotary table, a shape a kernel does not take)."""
         if lora is not None and len(lora) != len(layers):
             raise ValueError("one LayerLoRA a layer")
-        status = self._run(
+        status = self._functions[dtype](
             ctypes.addressof(layers), len(layers), ctypes.addressof(shape),
             ctypes.addressof(step), ctypes.addressof(lora) if lora is not None else None,
             torch.get_num_threads(),
@@ -695,7 +702,7 @@ class CpuDecoderLayers:
 
 load = _loader(CpuLoRAKernel)
 load_attention = _loader(CpuAttentionKernel)
-load_bf16_ops = _loader(CpuBf16Ops)
+load_ops = _loader(CpuOps)
 load_argmax = _loader(CpuArgmax)
 load_decoder_layers = _loader(CpuDecoderLayers)
 load_linear = _loader(CpuLinearBf16)

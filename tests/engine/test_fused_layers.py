@@ -1,9 +1,9 @@
-"""bfloat16 on CPU: a step's decoder layers run in one native call (cpu/layers.c) where every
-projection is native for its rows, with the batch's LoRA calls made by the projections in it.
-They must give the bits of the calls the model otherwise makes one by one, in prompt chunks and
-decode steps alike, with biases on q,k,v (the tiny Qwen2) and without, with adapters of several
-ranks and module sets in one batch beside requests without one, wherever the q,k,v rows are
-fetched."""
+"""bfloat16 and float32 on CPU: a step's decoder layers run in one native call (cpu/layers.c)
+where every projection is native for its rows, with the batch's LoRA calls made by the
+projections in it. They must give the bits of the calls the model otherwise makes one by one, in
+prompt chunks (bfloat16) and decode steps alike, with biases on q,k,v (the tiny Qwen2) and
+without, with adapters of several ranks and module sets in one batch beside requests without
+one, wherever the q,k,v rows are fetched."""
 
 from __future__ import annotations
 
@@ -33,36 +33,43 @@ def run(llm, fused: bool, adapters=None) -> list:
     ]
 
 
-def fused_llm(model_dir):
-    """An engine in bfloat16 with its count of steps in one native call, those with LoRA and
-    all: (llm, counts); skips where the CPU has no native bfloat16 projection."""
+def fused_llm(model_dir, dtype: str):
+    """An engine in `dtype` with its count of steps in one native call, those with LoRA and
+    all: (llm, counts); skips where the CPU has no native projection in that dtype."""
     # every run computes its prompts (in bfloat16 a prompt's LoRA spans round differently when
     # part of it comes from the prefix cache), in chunks beside decode steps
-    llm = make_llm(
-        model_dir, dtype="bfloat16", max_num_batched_tokens=24, enable_prefix_caching=False
-    )
+    llm = make_llm(model_dir, dtype=dtype, max_num_batched_tokens=24, enable_prefix_caching=False)
     model = llm.engine.runner.model
     if model._decoder is None or not model.layers[0].qkv.native_rows(1):
-        pytest.skip("no native bfloat16 projection on this CPU")
-    counts = {"all": 0, "lora": 0}
-    fuse = model._decoder
+        pytest.skip(f"no native {dtype} projection on this CPU")
+    # steps in one native call (with LoRA), and steps of decode tokens alone (with LoRA), which
+    # it must take in either dtype (bfloat16 takes prompt chunks too)
+    counts = {"all": 0, "lora": 0, "decode": 0, "decode lora": 0}
+    fuse, forward = model._decoder, model.forward
 
-    def counted(layers, shape, step, lora=None):
+    def counted(dtype, layers, shape, step, lora=None):
         counts["all"] += 1
         counts["lora"] += lora is not None
-        return fuse(layers, shape, step, lora)
+        return fuse(dtype, layers, shape, step, lora)
 
-    model._decoder = counted
+    def counted_forward(batch, kv):
+        if model.fuse_layers and not batch.prefills:
+            counts["decode"] += 1
+            counts["decode lora"] += batch.lora is not None
+        return forward(batch, kv)
+
+    model._decoder, model.forward = counted, counted_forward
     return llm, counts
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_fused_layers_give_the_bits_of_the_calls_one_by_one(tiny_model_dirs, family):
-    llm, counts = fused_llm(tiny_model_dirs[family])
+def test_fused_layers_give_the_bits_of_the_calls_one_by_one(tiny_model_dirs, family, dtype):
+    llm, counts = fused_llm(tiny_model_dirs[family], dtype)
     one_by_one = run(llm, fused=False)
     assert counts["all"] == 0
     assert run(llm, fused=True) == one_by_one
-    assert counts["all"] >= 12  # the decode steps at least
+    assert counts["all"] >= counts["decode"] >= 11  # 12 tokens, the first the prompt's
 
 
 ADAPTERS = [  # rank, modules: q,v alone, attention, MLP alone, all seven, one module
@@ -74,12 +81,13 @@ ADAPTERS = [  # rank, modules: q,v alone, attention, MLP alone, all seven, one m
 ]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("fetch_ahead", [True, False])
 def test_fused_layers_with_adapters_give_the_bits_of_the_calls_one_by_one(
-    tiny_model_dirs, tmp_path, family, fetch_ahead
+    tiny_model_dirs, tmp_path, family, fetch_ahead, dtype
 ):
-    llm, counts = fused_llm(tiny_model_dirs[family])
+    llm, counts = fused_llm(tiny_model_dirs[family], dtype)
     engine = llm.engine
     engine.runner.model.fetch_placement.fix(fetch_ahead)
     config = engine.model_config
@@ -91,7 +99,7 @@ def test_fused_layers_with_adapters_give_the_bits_of_the_calls_one_by_one(
     one_by_one = run(llm, fused=False, adapters=adapters)
     assert counts["all"] == 0
     assert run(llm, fused=True, adapters=adapters) == one_by_one
-    assert counts["lora"] >= 12  # the decode steps at least
+    assert counts["lora"] >= counts["decode lora"] >= 4
     # the adapters change what they touch, so a LoRA call left out or misplaced shows
     base = run(llm, fused=True, adapters=[None] * len(adapters))
     changed = [ours[0] != theirs[0] for ours, theirs in zip(one_by_one, base, strict=True)]

@@ -501,7 +501,7 @@ def test_decode_attention_in_place_matches_torch(
 @pytest.mark.parametrize("dim", [576, 64, 1000])
 def test_native_rms_norm_is_bit_identical_to_torch_in_bfloat16(dim, rows):
     """The engine uses it in bfloat16 only, where it must round exactly as the torch ops do."""
-    kernel = cpu_lora.load_bf16_ops()
+    kernel = cpu_lora.load_ops()
     generator = torch.Generator().manual_seed(dim)
     x = (torch.randn(rows, dim, generator=generator) * 3).to(torch.bfloat16)
     weight = torch.randn(dim, generator=generator).to(torch.bfloat16)
@@ -512,7 +512,7 @@ def test_native_rms_norm_is_bit_identical_to_torch_in_bfloat16(dim, rows):
 def test_native_residual_add_and_norm_give_the_add_and_the_norm_apart(rows):
     """The residual add, in place: torch's bits; the norm after it: the native norm's bits (which
     sums a row in another order than torch's mean, so may differ from it by a rounding step)."""
-    kernel = cpu_lora.load_bf16_ops()
+    kernel = cpu_lora.load_ops()
     generator = torch.Generator().manual_seed(rows)
     hidden = (torch.randn(rows, 576, generator=generator) * 3).to(torch.bfloat16)
     delta = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
@@ -530,7 +530,7 @@ def test_native_swiglu_product_is_bit_identical_to_torch_in_bfloat16(inter):
     """silu(gate) * up from a fused [gate | up] row, rows wider than the row (a slice), across
     the range where silu bends (and past exp's clamps); a vector's tail when inter is not a
     multiple of sixteen."""
-    kernel = cpu_lora.load_bf16_ops()
+    kernel = cpu_lora.load_ops()
     generator = torch.Generator().manual_seed(inter)
     wide = torch.randn(300, 2 * inter + 8, generator=generator) * 6
     wide[0, :inter] = torch.linspace(-120, 120, inter)
@@ -540,26 +540,29 @@ def test_native_swiglu_product_is_bit_identical_to_torch_in_bfloat16(inter):
     assert torch.equal(kernel.silu_mul(gate_up[:5]), F.silu(gate[:5]) * up[:5])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 2, 128), (2, 1, 80)])
-def test_native_rope_and_kv_write_are_bit_identical_to_torch_in_bfloat16(heads, kv_heads, dim):
-    """The engine's bfloat16 path rotates q and k and writes k and v to their cache slots in one
-    native call: the same bits as the torch ops, and nothing else of the cache touched."""
+def test_native_rope_and_kv_write_are_bit_identical_to_torch(
+    ops_build, heads, kv_heads, dim, dtype
+):
+    """The engine rotates q and k and writes k and v to their cache slots in one native call:
+    the same bits as the torch ops, and nothing else of the cache touched."""
     from loraplex.engine.attention import write_kv
     from loraplex.engine.config import RopeConfig
     from loraplex.engine.rope import RotaryEmbedding
 
-    kernel = cpu_lora.load_bf16_ops()
+    kernel = ops_build
     generator = torch.Generator().manual_seed(dim)
     n, max_positions, page_size = 21, 300, 4
-    rope = RotaryEmbedding(RopeConfig(theta=10000.0), dim, max_positions, torch.bfloat16, "cpu")
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), dim, max_positions, dtype, "cpu")
     qkv = torch.randn(n, 40 + (heads + 2 * kv_heads) * dim, generator=generator) * 4
-    qkv = qkv.to(torch.bfloat16)[:, 40:]  # a row stride wider than the row, as a slice gives
+    qkv = qkv.to(dtype)[:, 40:]  # a row stride wider than the row, as a slice gives
     positions = torch.randperm(max_positions, generator=generator)[:n]
     pages = torch.randperm(12, generator=generator)[: -(-n // page_size)]
     slot_pages = pages.repeat_interleave(page_size)[:n]
     slot_offsets = torch.arange(n) % page_size
     # a layer's view of a pool: pages two layers apart
-    pool = torch.randn(12, 2, page_size, 2, kv_heads, dim, generator=generator).bfloat16()
+    pool = torch.randn(12, 2, page_size, 2, kv_heads, dim, generator=generator).to(dtype)
     before = pool.clone()
     got_cache, want_cache = pool[:, 1], before[:, 1].clone()
     got_q = kernel.rotate_and_write(
@@ -579,6 +582,50 @@ def test_native_rope_and_kv_write_are_bit_identical_to_torch_in_bfloat16(heads, 
             qkv, heads, kv_heads, rope.cos[:10], rope.sin[:10], positions, got_cache,
             slot_pages, slot_offsets,
         )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def ops_build(request, tmp_path_factory):
+    """The per-layer ops as this machine builds them, and as the other x86-64 builds run them."""
+    lib = build_for(request.param, tmp_path_factory)
+    kernel = cpu_lora.load_ops() if lib is None else cpu_lora.CpuOps(lib)
+    if kernel is None:
+        pytest.fail("the CPU kernels did not build: a C compiler is part of the setup")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [33, 300], ids=["one thread", "all threads"])
+@pytest.mark.parametrize("dim", [576, 64, 1000])
+def test_native_float32_norms_are_torch_within_a_few_units_in_the_last_place(ops_build, dim, rows):
+    """A float32 model's RMSNorm, alone and after the residual add (in place, torch's bits):
+    the same ops as torch's but for the order of the row's sum of squares (2e-6 relative: about
+    sixteen units in the last place, where a sum of 1,000 squares in another order moves its
+    scale by a few)."""
+    generator = torch.Generator().manual_seed(dim)
+    x = torch.randn(rows, dim, generator=generator) * 3
+    weight = torch.randn(dim, generator=generator)
+    got = ops_build.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, rms_norm(x, weight, 1e-5), rtol=2e-6, atol=0)
+    delta = torch.randn(rows, dim, generator=generator)
+    hidden, want_hidden = x.clone(), x + delta
+    got = ops_build.add_rms_norm(hidden, delta, weight, 1e-5)
+    assert torch.equal(hidden, want_hidden)
+    assert torch.equal(got, ops_build.rms_norm(want_hidden, weight, 1e-5))
+
+
+@pytest.mark.parametrize("inter", [1536, 40, 7])
+def test_native_float32_swiglu_product_is_torch_within_a_few_units(ops_build, inter):
+    """silu(gate) * up from a fused [gate | up] float32 row (a slice of wider rows), across the
+    range where silu bends and past exp's clamps; a vector's tail where inter is not a multiple
+    of sixteen."""
+    generator = torch.Generator().manual_seed(inter)
+    wide = torch.randn(300, 2 * inter + 8, generator=generator) * 6
+    wide[0, :inter] = torch.linspace(-120, 120, inter)
+    gate_up = wide[:, 8:]
+    gate, up = gate_up.chunk(2, dim=-1)
+    got, want = ops_build.silu_mul(gate_up), F.silu(gate) * up
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-30)
+    assert torch.equal(ops_build.silu_mul(gate_up[:5]), got[:5])
 
 
 # -- greedy argmax (cpu/ops.c) ----------------------------------------------------------------

@@ -277,7 +277,7 @@ static inline void set_tile(TileConfig *c, int tile, int rows, int bytes) {
 #endif /* AVX-512 */
 
 
-/* The entry points layers.c calls in turn (linear.c, ops.c, attention.c), declared here so that
+/* The entry points layers.c calls in turn (linear.c, linear_f32.c, ops.c, attention.c), declared here so that
  * each definition is checked against what its callers are compiled with */
 int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                 const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
@@ -296,5 +296,21 @@ void add_rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *
                        int64_t n, int64_t dim, float eps, int num_threads);
 void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t n, int64_t inter,
                    uint16_t *out, int num_threads);
+int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+               int64_t n, const float *bias, float *y, int64_t y_stride, const int64_t *fetch_at,
+               const int64_t *fetch_bytes, int64_t fetches, int num_threads);
+int rope_write_f32(const float *qkv, int64_t qkv_stride, int64_t n, int64_t heads,
+                   int64_t kv_heads, int64_t dim, const float *cos, const float *sin,
+                   int64_t max_positions, const int64_t *positions, float *q_out, float *kv,
+                   int64_t page_stride, const int64_t *slot_pages, const int64_t *slot_offsets,
+                   int num_threads);
+int attend_decode_f32(const float *q, float *out, const float *kv, int64_t page_stride,
+                      const int64_t *tables, int64_t table_stride, const int64_t *lens, int64_t n,
+                      int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size,
+                      float scale, int num_threads);
+void add_rms_norm_f32(float *hidden, const float *delta, const float *w, float *out, int64_t n,
+                      int64_t dim, float eps, int num_threads);
+void silu_mul_f32(const float *gate_up, int64_t stride, int64_t n, int64_t inter, float *out,
+                  int num_threads);
 
 #endif

@@ -1,6 +1,6 @@
 #include "lora.h"
 
-/* A bfloat16 step's decoder layers, every row a query row of the attention kernel, in one native
+/* A step's decoder layers (bfloat16: decode_layers_bf16; float32: decode_layers_f32), every row a query row of the attention kernel, in one native
  * call: per layer the calls the model makes one by one from Python (model.py, CausalLM.forward),
  * in its order, on the same buffers' contents, so the same bits; with adapters, each projection
  * makes its LoRA calls as the model's would: one in its own native call (linear_lora_bf16), or
@@ -12,29 +12,31 @@
  * Xeon with AMX (family 6, model 207): 32 requests 1.17x on the base model, 1.14x on 32 q,v
  * adapters, 1.17x on 32 all-module ones. */
 
-/* One layer's weights: its projections packed for linear_bf16 (biases or NULL), the norm after
- * attention, the next layer's input norm (NULL on the last layer) and the layer's KV cache. */
+/* One layer's weights, of the step's dtype: its projections packed for the native projection
+ * (linear_bf16, linear_f32; biases or NULL), the norm after attention, the next layer's input
+ * norm (NULL on the last layer) and the layer's KV cache. */
 typedef struct {
-    const uint16_t *qkv, *qkv_bias, *o, *gate_up, *down;
-    const uint16_t *post_attention_norm, *next_input_norm;
-    uint16_t *kv;
+    const void *qkv, *qkv_bias, *o, *gate_up, *down;
+    const void *post_attention_norm, *next_input_norm;
+    void *kv;
 } DecoderLayer;
 
-/* The model's shapes and its rotary tables */
+/* The model's shapes and its rotary tables (of the step's dtype) */
 typedef struct {
     int64_t hidden, heads, kv_heads, dim, inter, page_size, page_stride, max_positions;
-    const uint16_t *cos, *sin;
+    const void *cos, *sin;
     float eps, scale;
 } DecoderShape;
 
-/* A step's m rows: their positions, KV slots and attention tables, and its buffers, each
- * contiguous: x [m, hidden] the first layer's normed input, and each layer's after it; hidden
- * [m, hidden] the residual stream, added to in place; then scratch of each layer's stages.
- * After the call, down holds the last layer's MLP output (not yet added to hidden). */
+/* A step's m rows: their positions, KV slots and attention tables, and its buffers (of the
+ * step's dtype), each contiguous: x [m, hidden] the first layer's normed input, and each layer's
+ * after it; hidden [m, hidden] the residual stream, added to in place; then scratch of each
+ * layer's stages. After the call, down holds the last layer's MLP output (not yet added to
+ * hidden). */
 typedef struct {
     int64_t m, table_stride;
     const int64_t *positions, *slot_pages, *slot_offsets, *tables, *lens;
-    uint16_t *x, *hidden, *qkv, *q, *attended, *o, *gate_up, *act, *down;
+    void *x, *hidden, *qkv, *q, *attended, *o, *gate_up, *act, *down;
 } DecoderStep;
 
 /* What a projection does in a step besides its product: its LoRA, either one call in the
@@ -54,55 +56,67 @@ typedef struct {
     StepProjection qkv, o, gate_up, down;
 } LayerLoRA;
 
-/* x [m, k] -> y [m, n] (both contiguous), and what `p` adds to the product (NULL: nothing) */
-static int project(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
-                   const uint16_t *bias, uint16_t *y, const StepProjection *p, int num_threads) {
-    if (p == NULL)
-        return linear_bf16(x, k, m, k, packed, n, bias, y, n, NULL, NULL, 0, num_threads);
-    if (p->lora != NULL)
-        return linear_lora_bf16(x, k, m, k, packed, n, bias, y, n, p->fetch_at, p->fetch_bytes,
-                                p->fetches, p->lora);
-    int status = linear_bf16(x, k, m, k, packed, n, bias, y, n, p->fetch_at, p->fetch_bytes,
-                             p->fetches, num_threads);
-    for (int64_t i = 0; i < p->calls && status == 0; i++)
-        status = lora_apply_bf16(x, k, y, n, k, p->after[i]);
-    return status;
-}
-
-/* -> 0, or the first failing call's status (nothing more done after it). lora: each layer's
+/* The entry point of one dtype T, whose calls end in S (bf16, f32):
+ *
+ * project: x [m, k] -> y [m, n] (both contiguous), and what `p` adds to the product (NULL:
+ * nothing).
+ *
+ * NAME -> 0, or the first failing call's status (nothing more done after it). lora: each layer's
  * projections' LoRA calls and fetches, or NULL for a step without adapters. */
-int decode_layers_bf16(const DecoderLayer *layers, int64_t num_layers, const DecoderShape *s,
-                       const DecoderStep *step, const LayerLoRA *lora, int num_threads) {
-    const int64_t m = step->m, hidden = s->hidden, q_size = s->heads * s->dim;
-    const int64_t qkv_size = q_size + 2 * s->kv_heads * s->dim, inter = s->inter;
-    int status;
-#define OR_RETURN(CALL)                                                                        \
-    if ((status = (CALL)) != 0) return status
-    for (int64_t i = 0; i < num_layers; i++) {
-        const DecoderLayer *l = &layers[i];
-        const LayerLoRA *a = lora != NULL ? &lora[i] : NULL;
-        OR_RETURN(project(step->x, m, hidden, l->qkv, qkv_size, l->qkv_bias, step->qkv,
-                          a != NULL ? &a->qkv : NULL, num_threads));
-        OR_RETURN(rope_write_bf16(step->qkv, qkv_size, m, s->heads, s->kv_heads, s->dim, s->cos,
-                                  s->sin, s->max_positions, step->positions, step->q, l->kv,
-                                  s->page_stride, step->slot_pages, step->slot_offsets,
-                                  num_threads));
-        OR_RETURN(attend_decode_bf16(step->q, step->attended, l->kv, s->page_stride, step->tables,
-                                     step->table_stride, step->lens, m, s->heads, s->kv_heads,
-                                     s->dim, s->page_size, s->scale, num_threads));
-        OR_RETURN(project(step->attended, m, q_size, l->o, hidden, NULL, step->o,
-                          a != NULL ? &a->o : NULL, num_threads));
-        add_rms_norm_bf16(step->hidden, step->o, l->post_attention_norm, step->x, m, hidden,
-                          s->eps, num_threads);
-        OR_RETURN(project(step->x, m, hidden, l->gate_up, 2 * inter, NULL, step->gate_up,
-                          a != NULL ? &a->gate_up : NULL, num_threads));
-        silu_mul_bf16(step->gate_up, 2 * inter, m, inter, step->act, num_threads);
-        OR_RETURN(project(step->act, m, inter, l->down, hidden, NULL, step->down,
-                          a != NULL ? &a->down : NULL, num_threads));
-        if (l->next_input_norm != NULL)
-            add_rms_norm_bf16(step->hidden, step->down, l->next_input_norm, step->x, m, hidden,
-                              s->eps, num_threads);
+#define DEFINE_DECODE_LAYERS(NAME, T, S)                                                         \
+    static int project_##S(const T *x, int64_t m, int64_t k, const T *packed, int64_t n,       \
+                           const T *bias, T *y, const StepProjection *p, int num_threads) {    \
+        if (p == NULL)                                                                         \
+            return linear_##S(x, k, m, k, packed, n, bias, y, n, NULL, NULL, 0, num_threads);  \
+        if (p->lora != NULL)                                                                   \
+            return linear_lora_##S(x, k, m, k, packed, n, bias, y, n, p->fetch_at,             \
+                                   p->fetch_bytes, p->fetches, p->lora);                       \
+        int status = linear_##S(x, k, m, k, packed, n, bias, y, n, p->fetch_at, p->fetch_bytes, \
+                                p->fetches, num_threads);                                      \
+        for (int64_t i = 0; i < p->calls && status == 0; i++)                                  \
+            status = lora_apply_##S(x, k, y, n, k, p->after[i]);                               \
+        return status;                                                                         \
+    }                                                                                          \
+                                                                                               \
+    int NAME(const DecoderLayer *layers, int64_t num_layers, const DecoderShape *s,            \
+             const DecoderStep *step, const LayerLoRA *lora, int num_threads) {                \
+        const int64_t m = step->m, hidden = s->hidden, q_size = s->heads * s->dim;             \
+        const int64_t qkv_size = q_size + 2 * s->kv_heads * s->dim, inter = s->inter;          \
+        T *x = step->x, *residual = step->hidden, *qkv = step->qkv, *q = step->q;              \
+        T *attended = step->attended, *o = step->o, *gate_up = step->gate_up;                  \
+        T *act = step->act, *down = step->down;                                                \
+        int status;                                                                            \
+        for (int64_t i = 0; i < num_layers; i++) {                                             \
+            const DecoderLayer *l = &layers[i];                                                \
+            const LayerLoRA *a = lora != NULL ? &lora[i] : NULL;                               \
+            OR_RETURN(project_##S(x, m, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,            \
+                                  a != NULL ? &a->qkv : NULL, num_threads));                   \
+            OR_RETURN(rope_write_##S(qkv, qkv_size, m, s->heads, s->kv_heads, s->dim, s->cos,  \
+                                     s->sin, s->max_positions, step->positions, q, l->kv,      \
+                                     s->page_stride, step->slot_pages, step->slot_offsets,     \
+                                     num_threads));                                            \
+            OR_RETURN(attend_decode_##S(q, attended, l->kv, s->page_stride, step->tables,      \
+                                        step->table_stride, step->lens, m, s->heads,           \
+                                        s->kv_heads, s->dim, s->page_size, s->scale,           \
+                                        num_threads));                                         \
+            OR_RETURN(project_##S(attended, m, q_size, l->o, hidden, NULL, o,                  \
+                                  a != NULL ? &a->o : NULL, num_threads));                     \
+            add_rms_norm_##S(residual, o, l->post_attention_norm, x, m, hidden, s->eps,        \
+                             num_threads);                                                     \
+            OR_RETURN(project_##S(x, m, hidden, l->gate_up, 2 * inter, NULL, gate_up,          \
+                                  a != NULL ? &a->gate_up : NULL, num_threads));               \
+            silu_mul_##S(gate_up, 2 * inter, m, inter, act, num_threads);                      \
+            OR_RETURN(project_##S(act, m, inter, l->down, hidden, NULL, down,                  \
+                                  a != NULL ? &a->down : NULL, num_threads));                  \
+            if (l->next_input_norm != NULL)                                                    \
+                add_rms_norm_##S(residual, down, l->next_input_norm, x, m, hidden, s->eps,     \
+                                 num_threads);                                                 \
+        }                                                                                      \
+        return 0;                                                                              \
     }
+
+#define OR_RETURN(CALL)                                                                          \
+    if ((status = (CALL)) != 0) return status
+DEFINE_DECODE_LAYERS(decode_layers_bf16, uint16_t, bf16)
+DEFINE_DECODE_LAYERS(decode_layers_f32, float, f32)
 #undef OR_RETURN
-    return 0;
-}

@@ -160,6 +160,23 @@ int linear_lora_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, cons
 }
 #else
 /* Without AVX-512 the library has no float32 projection: cpu_lora binds none of its functions
- * where linear_native_f32() says so. */
+ * where linear_native_f32() says so, and these refuse (layers.c calls them). */
 int linear_native_f32(void) { return 0; }
+
+int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+               int64_t n, const float *bias, float *y, int64_t y_stride, const int64_t *fetch_at,
+               const int64_t *fetch_bytes, int64_t fetches, int num_threads) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
+    (void)y_stride, (void)fetch_at, (void)fetch_bytes, (void)fetches, (void)num_threads;
+    return 2;
+}
+
+int linear_lora_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                    int64_t n, const float *bias, float *y, int64_t y_stride,
+                    const int64_t *fetch_at, const int64_t *fetch_bytes, int64_t fetches,
+                    const LoRABinding *bound) {
+    (void)x, (void)x_stride, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y;
+    (void)y_stride, (void)fetch_at, (void)fetch_bytes, (void)fetches, (void)bound;
+    return 2;
+}
 #endif

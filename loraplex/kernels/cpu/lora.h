@@ -77,12 +77,18 @@ __attribute__((visibility("hidden"))) void lora_expands(LoRAPasses *p);
  * it after a projection whose LoRA takes more than one call */
 int lora_apply_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
                     int64_t fin, const LoRABinding *bound);
+int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride, int64_t fin,
+                   const LoRABinding *bound);
 
-/* The projection x -> y and then the LoRA call `bound` on (x, y) in one parallel region (linear.c;
- * layers.c makes it for each projection whose LoRA is one call) */
+/* The projection x -> y and then the LoRA call `bound` on (x, y) in one parallel region (linear.c,
+ * linear_f32.c; layers.c makes it for each projection whose LoRA is one call) */
 int linear_lora_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                      const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
                      int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,
                      int64_t fetches, const LoRABinding *bound);
+int linear_lora_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const float *packed,
+                    int64_t n, const float *bias, float *y, int64_t y_stride,
+                    const int64_t *fetch_at, const int64_t *fetch_bytes, int64_t fetches,
+                    const LoRABinding *bound);
 
 #endif

@@ -34,6 +34,20 @@ __attribute__((noinline)) static void norm_row_bf16(const uint16_t *xi, const ui
 #endif
 }
 
+/* The same in float32 (a float32 model's decode steps, where cpu/layers.c runs them): the
+ * reference's ops, x * (1 / sqrt(mean(x^2) + eps)) and then the weight times that, each rounded
+ * once as torch's float32 ops round; only the sum of squares goes in the vector loop's order,
+ * not torch's (a last-bit difference now and then). */
+__attribute__((noinline)) static void norm_row_f32(const float *xi, const float *w, float *oi,
+                                                   int64_t dim, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < dim; k++) ss += xi[k] * xi[k];
+    const float r = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int64_t k = 0; k < dim; k++) oi[k] = w[k] * (xi[k] * r);
+}
+
 /* rows a thread takes at least: fewer (a decode step's) go on one thread as soon as below two
  * threads' worth, where waking the other costs more than it saves */
 #define NORM_ROWS_A_THREAD 16
@@ -42,6 +56,12 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t 
                    float eps, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
     for (int64_t i = 0; i < n; i++) norm_row_bf16(x + i * dim, w, out + i * dim, dim, eps);
+}
+
+void rms_norm_f32(const float *x, const float *w, float *out, int64_t n, int64_t dim, float eps,
+                  int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
+    for (int64_t i = 0; i < n; i++) norm_row_f32(x + i * dim, w, out + i * dim, dim, eps);
 }
 
 /* The residual add and the next norm in one pass: hidden += delta (rounded to bfloat16, as
@@ -63,6 +83,19 @@ void add_rms_norm_bf16(uint16_t *hidden, const uint16_t *delta, const uint16_t *
         for (int64_t k = 0; k < dim; k++) hi[k] = f32_to_bf16(bf16_to_f32(hi[k]) + bf16_to_f32(di[k]));
 #endif
         norm_row_bf16(hi, w, out + i * dim, dim, eps);
+    }
+}
+
+/* The same in float32, as rms_norm_f32 */
+void add_rms_norm_f32(float *hidden, const float *delta, const float *w, float *out, int64_t n,
+                      int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
+    for (int64_t i = 0; i < n; i++) {
+        float *hi = hidden + i * dim;
+        const float *di = delta + i * dim;
+#pragma omp simd
+        for (int64_t k = 0; k < dim; k++) hi[k] += di[k];
+        norm_row_f32(hi, w, out + i * dim, dim, eps);
     }
 }
 
@@ -100,6 +133,16 @@ static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
         store_bf16x16(o + k, m, _mm512_mul_ps(silu, bf16x16(u + k, m)));
     }
 }
+
+static void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t inter) {
+    for (int64_t k = 0; k < inter; k += 16) {
+        const __mmask16 m = tail_mask(inter - k);
+        const __m512 gate = _mm512_maskz_loadu_ps(m, g + k);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+        const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_mask_storeu_ps(o + k, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, u + k)));
+    }
+}
 #else
 static inline float silu_f32(float g) { return g / (1.0f + expf(-g)); }
 
@@ -109,14 +152,23 @@ static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
         o[k] = f32_to_bf16(silu * bf16_to_f32(u[k]));
     }
 }
+
+static void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t inter) {
+    for (int64_t k = 0; k < inter; k++) o[k] = silu_f32(g[k]) * u[k];
+}
 #endif
 
-void silu_mul_bf16(const uint16_t *gate_up, int64_t stride, int64_t n, int64_t inter,
-                   uint16_t *out, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < n; t++)
-        silu_mul_row_bf16(gate_up + t * stride, gate_up + t * stride + inter, out + t * inter, inter);
-}
+/* gate_up [n, rows stride apart] -> out [n, inter], a row at a time (the same in float32, whose
+ * silu and product are torch's ops but for the exp's series) */
+#define DEFINE_SILU_MUL(NAME, T, ROW)                                                            \
+    void NAME(const T *gate_up, int64_t stride, int64_t n, int64_t inter, T *out,              \
+              int num_threads) {                                                               \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                  \
+        for (int64_t t = 0; t < n; t++)                                                        \
+            ROW(gate_up + t * stride, gate_up + t * stride + inter, out + t * inter, inter);   \
+    }
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, silu_mul_row_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, silu_mul_row_f32)
 
 /* Rotary embedding and the KV write of bfloat16 tokens, in one pass instead of torch's dozen
  * small ops a layer. For each token t, from its fused row qkv[t] = [q heads | k heads | v heads]:
@@ -155,27 +207,39 @@ static inline void rope_head_bf16(const uint16_t *x, const uint16_t *c, const ui
     }
 }
 
-int rope_write_bf16(const uint16_t *qkv, int64_t qkv_stride, int64_t n, int64_t heads,
-                    int64_t kv_heads, int64_t dim, const uint16_t *cos, const uint16_t *sin,
-                    int64_t max_positions, const int64_t *positions, uint16_t *q_out, uint16_t *kv,
-                    int64_t page_stride, const int64_t *slot_pages, const int64_t *slot_offsets,
-                    int num_threads) {
-    for (int64_t t = 0; t < n; t++)
-        if (positions[t] < 0 || positions[t] >= max_positions) return 1;
-    const int64_t kv_width = kv_heads * dim;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)
-    for (int64_t t = 0; t < n; t++) {
-        const uint16_t *row = qkv + t * qkv_stride;
-        const uint16_t *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;
-        uint16_t *slot = kv + slot_pages[t] * page_stride + slot_offsets[t] * 2 * kv_width;
-        for (int64_t h = 0; h < heads; h++)
-            rope_head_bf16(row + h * dim, c, s, dim, q_out + (t * heads + h) * dim);
-        for (int64_t h = 0; h < kv_heads; h++)
-            rope_head_bf16(row + (heads + h) * dim, c, s, dim, slot + h * dim);
-        memcpy(slot + kv_width, row + (heads + kv_heads) * dim, (size_t)kv_width * sizeof(uint16_t));
-    }
-    return 0;
+/* float32: the same ops, unrounded (torch's float32 mul and add, so the same bits) */
+static inline void rope_head_f32(const float *x, const float *c, const float *s, int64_t dim,
+                                 float *out) {
+    const int64_t half = dim / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) out[i] = x[i] * c[i] + -x[half + i] * s[i];
+#pragma omp simd
+    for (int64_t i = half; i < dim; i++) out[i] = x[i] * c[i] + x[i - half] * s[i];
 }
+
+#define DEFINE_ROPE_WRITE(NAME, T, HEAD)                                                         \
+    int NAME(const T *qkv, int64_t qkv_stride, int64_t n, int64_t heads, int64_t kv_heads,     \
+             int64_t dim, const T *cos, const T *sin, int64_t max_positions,                   \
+             const int64_t *positions, T *q_out, T *kv, int64_t page_stride,                   \
+             const int64_t *slot_pages, const int64_t *slot_offsets, int num_threads) {        \
+        for (int64_t t = 0; t < n; t++)                                                        \
+            if (positions[t] < 0 || positions[t] >= max_positions) return 1;                   \
+        const int64_t kv_width = kv_heads * dim;                                               \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (n >= 2 * NORM_ROWS_A_THREAD)") \
+        for (int64_t t = 0; t < n; t++) {                                                      \
+            const T *row = qkv + t * qkv_stride;                                               \
+            const T *c = cos + positions[t] * dim, *s = sin + positions[t] * dim;              \
+            T *slot = kv + slot_pages[t] * page_stride + slot_offsets[t] * 2 * kv_width;       \
+            for (int64_t h = 0; h < heads; h++)                                                \
+                HEAD(row + h * dim, c, s, dim, q_out + (t * heads + h) * dim);                 \
+            for (int64_t h = 0; h < kv_heads; h++)                                             \
+                HEAD(row + (heads + h) * dim, c, s, dim, slot + h * dim);                      \
+            memcpy(slot + kv_width, row + (heads + kv_heads) * dim, (size_t)kv_width * sizeof(T)); \
+        }                                                                                      \
+        return 0;                                                                              \
+    }
+DEFINE_ROPE_WRITE(rope_write_bf16, uint16_t, rope_head_bf16)
+DEFINE_ROPE_WRITE(rope_write_f32, float, rope_head_f32)
 
 /* Greedy sampling's pick: out[i] = the index of the largest element of row i of x [n, vocab]
  * (rows row_stride apart): the first of equal ones, or the first NaN of a row that has one, as
