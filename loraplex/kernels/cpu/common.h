@@ -277,8 +277,8 @@ static inline void set_tile(TileConfig *c, int tile, int rows, int bytes) {
 #endif /* AVX-512 */
 
 
-/* The entry points layers.c calls in turn (linear.c, linear_f32.c, ops.c, attention.c), declared here so that
- * each definition is checked against what its callers are compiled with */
+/* The entry points layers.c calls in turn (linear.c, linear_f32.c, ops.c, attention.c),
+ * declared here so that each definition is checked against what its callers are compiled with */
 int linear_bf16(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k,
                 const uint16_t *packed, int64_t n, const uint16_t *bias, uint16_t *y,
                 int64_t y_stride, const int64_t *fetch_at, const int64_t *fetch_bytes,

@@ -1,16 +1,18 @@
 #include "lora.h"
 
-/* A step's decoder layers (bfloat16: decode_layers_bf16; float32: decode_layers_f32), every row a query row of the attention kernel, in one native
- * call: per layer the calls the model makes one by one from Python (model.py, CausalLM.forward),
- * in its order, on the same buffers' contents, so the same bits; with adapters, each projection
- * makes its LoRA calls as the model's would: one in its own native call (linear_lora_bf16), or
- * several after it. One call instead of about eight a layer, each with its own ctypes and Python
- * cost. On a 2-core Zen 4 (family 25, model 17) the main thread of 32 sequences decoding spent
- * 11.6% of its samples outside the native calls, of one sequence 20.7% (py-spy);
- * benchmarks/fused_layers.py, the two ways alternated in one process: 32 requests of 64 + 64
- * tokens 1.055x the tokens/s, one of 64 + 256 1.25x, the same tokens and logprobs. On a 2-core
- * Xeon with AMX (family 6, model 207): 32 requests 1.17x on the base model, 1.14x on 32 q,v
- * adapters, 1.17x on 32 all-module ones. */
+/* A step's decoder layers (bfloat16: decode_layers_bf16; float32: decode_layers_f32), every row
+ * a query row of the attention kernel, in one native call: per layer the calls the model makes
+ * one by one from Python (model.py, CausalLM.forward), in its order, on the same buffers'
+ * contents, so the same bits; with adapters, each projection makes its LoRA calls as the model's
+ * would: one in its own native call (linear_lora_bf16, linear_lora_f32), or several after it.
+ * One call instead of about eight a layer, each with its own ctypes and Python cost. On a 2-core
+ * Zen 4 (family 25, model 17) the main thread of 32 sequences decoding spent 11.6% of its samples
+ * outside the native calls, of one sequence 20.7% (py-spy); benchmarks/fused_layers.py, the two
+ * ways alternated in one process: 32 requests of 64 + 64 tokens 1.055x the tokens/s, one of
+ * 64 + 256 1.25x, the same tokens and logprobs; in float32 1.035x on the base model, 1.076x on
+ * 32 q,v adapters, 1.073x on 32 all-module ones. On a 2-core Xeon with AMX (family 6, model
+ * 207), bfloat16: 32 requests 1.17x on the base model, 1.14x on 32 q,v adapters, 1.17x on 32
+ * all-module ones. */
 
 /* One layer's weights, of the step's dtype: its projections packed for the native projection
  * (linear_bf16, linear_f32; biases or NULL), the norm after attention, the next layer's input

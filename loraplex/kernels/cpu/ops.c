@@ -34,10 +34,10 @@ __attribute__((noinline)) static void norm_row_bf16(const uint16_t *xi, const ui
 #endif
 }
 
-/* The same in float32 (a float32 model's decode steps, where cpu/layers.c runs them): the
- * reference's ops, x * (1 / sqrt(mean(x^2) + eps)) and then the weight times that, each rounded
- * once as torch's float32 ops round; only the sum of squares goes in the vector loop's order,
- * not torch's (a last-bit difference now and then). */
+/* The same in float32 (a float32 model's steps): the reference's ops, x * (1 / sqrt(mean(x^2) +
+ * eps)) and then the weight times that, each rounded once as torch's float32 ops round; only the
+ * sum of squares goes in the vector loop's order, not torch's (a few units in the last place now
+ * and then). */
 __attribute__((noinline)) static void norm_row_f32(const float *xi, const float *w, float *oi,
                                                    int64_t dim, float eps) {
     float ss = 0.0f;
@@ -170,14 +170,14 @@ static void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t i
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, silu_mul_row_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, silu_mul_row_f32)
 
-/* Rotary embedding and the KV write of bfloat16 tokens, in one pass instead of torch's dozen
- * small ops a layer. For each token t, from its fused row qkv[t] = [q heads | k heads | v heads]:
- * the q and k heads rotated by the angles of position positions[t] (rotate-half form: out =
- * x * cos + rotate_half(x) * sin, each product and the sum rounded to bfloat16 as torch's
- * bfloat16 ops round them, so the result is the same bits), q into q_out [n, heads, dim]; the
- * rotated k and the v heads into the token's slot of the layer's paged cache (as in
+/* Rotary embedding and the KV write (rope_write_bf16, rope_write_f32), in one pass instead of
+ * torch's dozen small ops a layer. For each token t, from its fused row qkv[t] = [q heads | k
+ * heads | v heads]: the q and k heads rotated by the angles of position positions[t]
+ * (rotate-half form: out = x * cos + rotate_half(x) * sin, each product and the sum rounded as
+ * torch's ops of the dtype round them, so the result is the same bits), q into q_out [n, heads,
+ * dim]; the rotated k and the v heads into the token's slot of the layer's paged cache (as in
  * attend_decode: [pages, page_size, 2, kv_heads, dim], pages page_stride apart).
- *   cos, sin  [max_positions, dim] bfloat16
+ *   cos, sin  [max_positions, dim] of the tokens' dtype
  * -> 0, or 1 (nothing done) if a position is past max_positions. */
 static inline void rope_head_bf16(const uint16_t *x, const uint16_t *c, const uint16_t *s,
                                   int64_t dim, uint16_t *out) {
