@@ -80,7 +80,6 @@ class CausalLM:
         )
         fusable = self._ops is not None and unbiased
         self._decoder = cpu_lora.load_decoder_layers() if fusable else None
-        self._dtype = dtype
         self._decoder_layers: tuple[int, object] | None = None  # (the KV pool's address, them)
         inter = config.intermediate_size
         self._layer_buffers = (  # workspace names and row widths of the layers' stages
@@ -200,7 +199,7 @@ class CausalLM:
             batch.row_block_tables.data_ptr(), batch.row_lens.data_ptr(), x.data_ptr(),
             hidden.data_ptr(), *(buffer.data_ptr() for buffer in buffers),
         )  # fmt: skip
-        self._decoder(self._dtype, layers, shape, step, lora)
+        self._decoder(x.dtype, layers, shape, step, lora)
         return buffers[-1]  # the down projection's
 
     def _decoder_arguments(self, kv: KVCacheManager) -> tuple:

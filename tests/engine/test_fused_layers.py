@@ -42,9 +42,9 @@ def fused_llm(model_dir, dtype: str):
     model = llm.engine.runner.model
     if model._decoder is None or not model.layers[0].qkv.native_rows(1):
         pytest.skip(f"no native {dtype} projection on this CPU")
-    # steps in one native call (with LoRA), and steps of decode tokens alone (with LoRA), which
-    # it must take in either dtype (bfloat16 takes prompt chunks too)
-    counts = {"all": 0, "lora": 0, "decode": 0, "decode lora": 0}
+    # steps in one native call (with LoRA); steps of decode tokens alone (with LoRA), which it
+    # must take in either dtype (bfloat16 takes prompt chunks too), and those it did not take
+    counts = {"all": 0, "lora": 0, "decode": 0, "decode lora": 0, "decode apart": 0}
     fuse, forward = model._decoder, model.forward
 
     def counted(dtype, layers, shape, step, lora=None):
@@ -53,10 +53,13 @@ def fused_llm(model_dir, dtype: str):
         return fuse(dtype, layers, shape, step, lora)
 
     def counted_forward(batch, kv):
+        calls = counts["all"]
+        out = forward(batch, kv)
         if model.fuse_layers and not batch.prefills:
             counts["decode"] += 1
             counts["decode lora"] += batch.lora is not None
-        return forward(batch, kv)
+            counts["decode apart"] += counts["all"] == calls
+        return out
 
     model._decoder, model.forward = counted, counted_forward
     return llm, counts
@@ -69,7 +72,7 @@ def test_fused_layers_give_the_bits_of_the_calls_one_by_one(tiny_model_dirs, fam
     one_by_one = run(llm, fused=False)
     assert counts["all"] == 0
     assert run(llm, fused=True) == one_by_one
-    assert counts["all"] >= counts["decode"] >= 11  # 12 tokens, the first the prompt's
+    assert counts["decode"] >= 11 and counts["decode apart"] == 0  # 12 tokens, one the prompt's
 
 
 ADAPTERS = [  # rank, modules: q,v alone, attention, MLP alone, all seven, one module
@@ -99,7 +102,7 @@ def test_fused_layers_with_adapters_give_the_bits_of_the_calls_one_by_one(
     one_by_one = run(llm, fused=False, adapters=adapters)
     assert counts["all"] == 0
     assert run(llm, fused=True, adapters=adapters) == one_by_one
-    assert counts["lora"] >= counts["decode lora"] >= 4
+    assert counts["decode lora"] >= 4 and counts["decode apart"] == 0
     # the adapters change what they touch, so a LoRA call left out or misplaced shows
     base = run(llm, fused=True, adapters=[None] * len(adapters))
     changed = [ours[0] != theirs[0] for ours, theirs in zip(one_by_one, base, strict=True)]

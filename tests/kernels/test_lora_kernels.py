@@ -193,11 +193,20 @@ def build_for(build: str, tmp_path_factory) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(target))
 
 
+def kernel_for(build: str, tmp_path_factory, kernel_class: type, load):
+    """kernel_class on the library built for `build` (build_for), or on the machine's own build
+    (`load`, cpu_lora's loader of that kernel), which must have built."""
+    lib = build_for(build, tmp_path_factory)
+    kernel = load() if lib is None else kernel_class(lib)
+    if kernel is None:
+        pytest.fail("the CPU kernels did not build: a C compiler is part of the setup")
+    return kernel
+
+
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernel_build(request, tmp_path_factory):
     """The LoRA kernel as this machine builds it, and as the other x86-64 builds run it."""
-    lib = build_for(request.param, tmp_path_factory)
-    return native_kernel() if lib is None else cpu_lora.CpuLoRAKernel(lib)
+    return kernel_for(request.param, tmp_path_factory, cpu_lora.CpuLoRAKernel, cpu_lora.load)
 
 
 def apply_native(x, y, pool, a_offsets, b_offsets, ranks, scales, segments, kernel=None):
@@ -436,13 +445,8 @@ def test_without_a_working_compiler_the_cpu_falls_back_to_the_torch_path(
 @pytest.fixture(scope="module", params=list(BUILDS))
 def attention_build(request, tmp_path_factory):
     """The attention kernel as this machine builds it, and as the other x86-64 builds run it."""
-    lib = build_for(request.param, tmp_path_factory)
-    if lib is not None:
-        return cpu_lora.CpuAttentionKernel(lib)
-    kernel = cpu_lora.load_attention()
-    if kernel is None:
-        pytest.fail("the CPU kernels did not build: a C compiler is part of the setup")
-    return kernel
+    kernel_class, load = cpu_lora.CpuAttentionKernel, cpu_lora.load_attention
+    return kernel_for(request.param, tmp_path_factory, kernel_class, load)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -587,11 +591,7 @@ def test_native_rope_and_kv_write_are_bit_identical_to_torch(
 @pytest.fixture(scope="module", params=list(BUILDS))
 def ops_build(request, tmp_path_factory):
     """The per-layer ops as this machine builds them, and as the other x86-64 builds run them."""
-    lib = build_for(request.param, tmp_path_factory)
-    kernel = cpu_lora.load_ops() if lib is None else cpu_lora.CpuOps(lib)
-    if kernel is None:
-        pytest.fail("the CPU kernels did not build: a C compiler is part of the setup")
-    return kernel
+    return kernel_for(request.param, tmp_path_factory, cpu_lora.CpuOps, cpu_lora.load_ops)
 
 
 @pytest.mark.parametrize("rows", [33, 300], ids=["one thread", "all threads"])
@@ -634,11 +634,7 @@ def test_native_float32_swiglu_product_is_torch_within_a_few_units(ops_build, in
 @pytest.fixture(scope="module", params=list(BUILDS))
 def argmax_build(request, tmp_path_factory):
     """The argmax as this machine builds it, and as the other x86-64 builds run it."""
-    lib = build_for(request.param, tmp_path_factory)
-    kernel = cpu_lora.load_argmax() if lib is None else cpu_lora.CpuArgmax(lib)
-    if kernel is None:
-        pytest.fail("the CPU kernels did not build: a C compiler is part of the setup")
-    return kernel
+    return kernel_for(request.param, tmp_path_factory, cpu_lora.CpuArgmax, cpu_lora.load_argmax)
 
 
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 31, 32, 33, 100, 49157])
