@@ -207,7 +207,17 @@ int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
  * prompts of 64 tokens on 4 all-module adapters, 2-core Xeon: 25.8 ms token by token, 23.1 ms
  * in blocks; the products, not the reads, bound it there). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define AHEAD_HINT 3 /* __builtin_prefetch's locality for the next block's rows: into L1 */
+/* __builtin_prefetch's locality for the next block's rows. In the AMX build (Intel since
+ * Sapphire Rapids), where nothing fetches a decode call's rows before it, into L2, as the
+ * float32 calls' (F32_AHEAD_HINT): on a 2-core Xeon with AMX (family 6, model 167), 32 sequences
+ * on 32 rank-16 adapters, the builds swapped step by step (benchmarks/kernel_ab.py), extra over
+ * base -0.68 and -0.88 ms a step all-module (of 15.8), -0.36 ms q,v (of 3.5), paired medians of
+ * 60-80. Into L1 elsewhere (the Zen 5 figures above). */
+#if defined(HAVE_AMX)
+#define AHEAD_HINT 2
+#else
+#define AHEAD_HINT 3
+#endif
 
 /* A block: up to LORA_BLOCK consecutive tokens of one run (a prefill span), which share their
  * adapter rows: each row is read once for all of them. Decode tokens are blocks of one. */
