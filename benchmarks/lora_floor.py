@@ -20,8 +20,10 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
   minutes later: a shared host has slow phases (a 2-core Xeon's base step went from 46-48 to
   58-64 ms for tens of seconds), longer than one measurement, and two far apart show when one
   fell in one;
-* where the engine chose, by timing steps after a warm-up long enough for it, to fetch the q,v
-  adapters' rows into cache (where the build fetches: fetch_placement.py);
+* what brings the q,v adapters' rows into cache before their LoRA call: where the build's
+  projection fetches them, the place the engine chose by timing steps after a warm-up long
+  enough for it (fetch_placement.py); its A rows alone, where it fetches only those (float32 on
+  Intel with AVX512-FP16); or nothing (the AMX build);
 * the same batches with each CPU LoRA strategy forced: *native* (the C kernel in
   kernels/cpu/lora.c, reading every decode token's rows in place; the default where it
   builds), and the torch path's two, *gathered* (every decode token's adapter rows copied into
@@ -166,6 +168,15 @@ def step_against_base(steps: Steps) -> str:
     )
 
 
+def qkv_fetches(model, rows: int) -> str:
+    """What a decode step's q,k,v projection of `rows` rows brings into cache for its LoRA call:
+    "all" its rows (or the gate_up before it does), "A" its A rows alone, "" nothing."""
+    qkv = model.layers[0].qkv
+    if qkv.fetches_rows(rows):
+        return "all"
+    return "A" if qkv.fetches_shrink_rows(rows) else ""
+
+
 def adapter_bytes(engine) -> int:
     """Bytes of the weights of every resident adapter, at the pool's dtype."""
     return sum(resident.nbytes for resident in engine.adapters.resident.values())
@@ -210,7 +221,9 @@ def main() -> None:
             # warm up, and past the engine's first timing of where to fetch q,k,v rows
             decode_steps(llm.engine, prompts, loras, 2 * FETCH_PAIRS + 2, switch)
             if name == "q,v":
-                placement = llm.engine.runner.model.fetch_placement.ahead
+                model = llm.engine.runner.model
+                placement = model.fetch_placement.ahead
+                fetches = qkv_fetches(model, n)
             floors[name] = adapter_bytes(llm.engine)
             runner = llm.engine.runner
             default, settings = lora_batch.GROUP_MIN_TOKENS, runner.settings
@@ -259,9 +272,13 @@ def main() -> None:
         print(f"    {beside_pairs(r, size)}")
         r = again[name]
         print(f"    again after the strategies: {step_against_base(r)}; {beside_pairs(r, size)}")
-    if backend == "native":
+    if backend == "native" and fetches == "all":
         where = "the layer before's gate_up" if placement else "the q,k,v projection itself"
-        print(f"q,v rows fetched (where the build fetches) by {where}: the engine's timed choice")
+        print(f"q,v rows fetched by {where}: the engine's timed choice")
+    elif backend == "native" and fetches == "A":
+        print("q,v A rows fetched by the q,k,v projection itself; B rows read by the expands")
+    elif backend == "native":
+        print("q,v rows: nothing fetches them before their LoRA call in this build")
     print("targets: q,v throughput >= 0.95x base; all-module extra <= 1.25x floor")
     print("strategies (adapters x tokens per adapter): step, base step, extra")
     for key, r in results.items():
