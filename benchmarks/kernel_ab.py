@@ -1,15 +1,16 @@
 """Two builds of the CPU kernels compared in one process, decode step by decode step.
 
     python benchmarks/kernel_ab.py --against REV [--modules qv|all] [--dtype bfloat16|float32]
-                                   [--fetch timed|ahead|own]
+                                   [--fetch timed|ahead|own] [--adapters N]
 
 Builds the kernels' C sources as they are at git revision REV into a library of its own beside
 the working tree's, then runs 32 sequences decoding together on 32 distinct rank-16 adapters
-(SmolLM2, 64-token prompts). Each round takes a base-only step and one step with each build's
-LoRA calls (the native projection's fused call, and every LoRA call made apart), the two builds'
-order alternating, and it prints the medians of each build's extra over base and the median of
-the paired differences. Only the LoRA calls change between the builds; the projections,
-attention and the rest are the working tree's in both. The model settles during the warm-up,
+(SmolLM2, 64-token prompts), or on N adapters each shared by 32 / N of them. Each round takes a
+base-only step and one step with each build's LoRA calls (the native projection's fused call,
+and every LoRA call made apart), the two builds' order alternating, and it prints the medians of
+each build's extra over base and the median of the paired differences. Only the LoRA calls
+change between the builds; the projections, attention and the rest are the working tree's in
+both. The model settles during the warm-up,
 by timing steps, where a layer's q,k,v rows are fetched (fetch_placement.py), and two runs may
 settle differently: the placement is printed, and --fetch fixes it.
 
@@ -123,6 +124,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=120)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument(
+        "--adapters", type=int, help="distinct adapters, shared in turn (default: one a sequence)"
+    )
+    parser.add_argument(
         "--fetch", choices=("timed", "ahead", "own"), default="timed",
         help="where a layer's q,k,v rows are fetched (where the build fetches): as the model "
         "times it (fetch_placement.py), by the gate_up before, or by the q,k,v projection",
@@ -134,18 +138,19 @@ def main() -> None:
     from loraplex.engine.default_model import resolve_model
 
     n, modules = args.sequences, QV if args.modules == "qv" else ALL
+    count = args.adapters or n
     with tempfile.TemporaryDirectory() as tmp:
         other = build_at(args.against, Path(tmp))
         llm = LLM(model=str(resolve_model("default")), dtype=args.dtype)
         engine, dtype = llm.engine, getattr(torch, args.dtype)
-        loras = load_random_adapters(llm, modules, n, Path(tmp))
+        loras = load_random_adapters(llm, modules, count, Path(tmp))
         switch = LoRASwitch()
         warmup = 140  # past the prefills and the model's first timing of where rows are fetched
         params = SamplingParams(
             temperature=0.0, max_tokens=warmup + 3 * args.rounds + 8, ignore_eos=True
         )
-        for prompt, lora in zip(make_prompts(llm.tokenizer, n, 64), loras, strict=True):
-            engine.add_request(engine.make_request(prompt, params, lora=lora))
+        for i, prompt in enumerate(make_prompts(llm.tokenizer, n, 64)):
+            engine.add_request(engine.make_request(prompt, params, lora=loras[i % count]))
         for _ in range(warmup):
             engine.step()
         model = engine.runner.model
@@ -171,7 +176,7 @@ def main() -> None:
     median = statistics.median
     base = times["base"]
     print(
-        f"{args.dtype}, {n} sequences on {n} adapters ({args.modules}), {args.rounds} rounds; "
+        f"{args.dtype}, {n} sequences on {count} adapters ({args.modules}), {args.rounds} rounds; "
         f"base step median {median(base) * 1e3:.2f} ms; q,k,v rows fetched (where the build "
         "fetches) "
         + ("by the gate_up before" if model.fetch_placement.ahead else "by their projection")

@@ -339,31 +339,48 @@ def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtyp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("span", [1, 2, 3, 4, 5, 9, 13])
-def test_a_prefill_span_gives_each_token_the_bits_it_gets_alone(dtype, span, kernel_build):
-    """A span's tokens share one run and are taken a few at a time, each adapter row read once
-    for them: every token gets exactly the bits it gets as a run of its own (a decode token),
-    however the span falls between the threads and its blocks, before and after other runs.
-    (Spans here are shorter than the 16 tokens a thread takes through AMX tiles, whose sums
-    run in another order: test_long_prefill_spans_match_reference.)"""
+def test_tokens_on_one_adapters_rows_get_the_bits_each_gets_alone(dtype, span, kernel_build):
+    """Tokens that read the same rows are taken a few at a time, each adapter row read once for
+    them: a prefill span's (one run) and decode tokens of one adapter (a run each, on the same
+    rows). Every token gets exactly the bits it gets in a call of its own, however the tokens
+    fall between the threads and the blocks, before and after other runs; decode tokens on the
+    same rows with another scale get their own scale. (Spans here are shorter than the 16
+    tokens a thread takes through AMX tiles, whose sums run in another order:
+    test_long_prefill_spans_match_reference.)"""
     x, y, (pool, a_rows, b_rows, _, rank, scales), widths, columns = three_modules_case(dtype)
     n = span + 2  # a decode token on run 0, the span on run 1, a decode token on run 2
     torch.manual_seed(span)
     x, y = torch.randn(n, x.shape[1]).to(dtype), torch.randn(n, sum(widths)).to(dtype)
     outputs = cpu_lora.Outputs([(m, columns[m], widths[m]) for m in range(3)])
     as_span = torch.tensor([0] + [1] * span + [2])
-    alone = torch.arange(n)  # every token a run of its own
-    runs_alone = [0] + [1] * span + [2]  # each token's run of its own, on the span's rows
+    runs = [0] + [1] * span + [2]  # each token's run of its own (decode tokens), on these rows
 
     def rows_of(table, runs):
         return table.view(3, -1, rank)[:, runs].flatten(1)
 
-    got, want = y.clone(), y.clone()
+    def each_alone(token_scales):
+        out = y.clone()
+        for t, run in enumerate(runs):
+            a, b, one = rows_of(a_rows, [run]), rows_of(b_rows, [run]), torch.tensor([0])
+            kernel_build.bind(pool, a, b, one, rank, token_scales[t : t + 1], outputs, t, t + 1)(
+                x, out
+            )
+        return out
+
+    def as_runs(token_scales):
+        out, each = y.clone(), torch.arange(n)
+        a, b = rows_of(a_rows, runs), rows_of(b_rows, runs)
+        kernel_build.bind(pool, a, b, each, rank, token_scales, outputs, 0, n)(x, out)
+        return out
+
+    got = y.clone()
     kernel_build.bind(pool, a_rows, b_rows, as_span, rank, scales, outputs, 0, n)(x, got)
-    a_alone, b_alone = rows_of(a_rows, runs_alone), rows_of(b_rows, runs_alone)
-    scales_alone = scales[runs_alone]
-    kernel_build.bind(pool, a_alone, b_alone, alone, rank, scales_alone, outputs, 0, n)(x, want)
+    want = each_alone(scales[runs])
     assert not torch.equal(got, y)
     assert torch.equal(got, want)
+    assert torch.equal(as_runs(scales[runs]), want)
+    other = scales[runs] * torch.tensor([1.0, 2.0]).repeat(n)[:n]  # every other token's doubled
+    assert torch.equal(as_runs(other), each_alone(other))
 
 
 @pytest.fixture(scope="module")
