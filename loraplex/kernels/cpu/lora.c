@@ -1,8 +1,8 @@
 /* Batched LoRA on CPU (lora_apply_f32, lora_apply_bf16): y[t] += scale[s] * (x[t] @ A_s^T) @ B_s
  * for each token t of run s, every adapter row read straight from the page pool, once per token
- * (a token sorted next to tokens of the same adapter finds its rows in cache). A call takes x,
- * y and the input width, and the rest bound once (LoRABinding, lora.h): rows start .. end of
- * x and y, and
+ * or per block of tokens on the same rows (a token sorted next to tokens of the same adapter
+ * finds its rows in cache). A call takes x, y and the input width, and the rest bound once
+ * (LoRABinding, lora.h): rows start .. end of x and y, and
  *
  *   x       [*, fin]    row stride x_stride        the layer input
  *   y       [*, *]      row stride y_stride        accumulated into: output i (one module) at
@@ -219,8 +219,9 @@ int lora_apply_f32(const float *x, int64_t x_stride, float *y, int64_t y_stride,
 #define AHEAD_HINT 3
 #endif
 
-/* A block: up to LORA_BLOCK consecutive tokens of one run (a prefill span), which share their
- * adapter rows: each row is read once for all of them. Decode tokens are blocks of one. */
+/* A block: up to LORA_BLOCK consecutive tokens on the same adapter rows (a prefill span's, or
+ * decode tokens of one adapter: block_at): each row is read once for all of them. A decode
+ * token next to no other of its adapter is a block of one. */
 #if defined(__AVX512BF16__)
 #define LORA_BLOCK 4
 #else
@@ -479,13 +480,13 @@ static inline int same_rows(const LoRABinding *b, int64_t s, int64_t u) {
  * before `last`: a prefill span's, or decode tokens of one adapter); *later: the run of the
  * block after it, unless on the same rows (else -1). A block's arithmetic is each of its
  * tokens' on its own, so decode tokens blocked together get the bits they get alone, each row
- * loaded (and in the expand widened) once for the block. Decode tokens stay runs of their own
- * otherwise, so AMX's spans, whose sums run in another order, never take them. On a 2-core Xeon
- * with AMX (family 6, model 167), 32 sequences decoding in bfloat16, the builds swapped step by
- * step (benchmarks/kernel_ab.py --adapters N, paired medians of 60), extra over base: on one
- * all-module rank-16 adapter 6.61 -> 4.49 ms a step, on one q,v adapter 2.03 -> 1.26 ms, on 8
- * all-module adapters 8.44 -> 6.38 ms; on 32 distinct adapters level (-0.18 ms q,v, -0.16 ms
- * all-module). */
+ * loaded (and in the expand widened) once for the block. Each decode token stays a run of its
+ * own, so AMX's spans (runs of 16), whose sums run in another order, never take one. On a
+ * 2-core Xeon with AMX (family 6, model 167), 32 sequences decoding in bfloat16, the builds
+ * swapped step by step (benchmarks/kernel_ab.py --adapters N, paired medians of 60), extra
+ * over base: on one all-module rank-16 adapter 6.61 -> 4.49 ms a step, on one q,v adapter 2.03
+ * -> 1.26 ms, on 8 all-module adapters 8.44 -> 6.38 ms; on 32 distinct adapters level (-0.18 ms
+ * q,v, -0.16 ms all-module). */
 static inline int block_at(const LoRABinding *b, int64_t t, int64_t last, int64_t *later) {
     const int64_t *slots = b->slots, s = slots[t];
     int T = 1;
