@@ -10,9 +10,9 @@ base-only step and one step with each build's LoRA calls (the native projection'
 and every LoRA call made apart), the two builds' order alternating, and it prints the medians of
 each build's extra over base and the median of the paired differences. Only the LoRA calls
 change between the builds; the projections, attention and the rest are the working tree's in
-both. The model settles during the warm-up,
-by timing steps, where a layer's q,k,v rows are fetched (fetch_placement.py), and two runs may
-settle differently: the placement is printed, and --fetch fixes it.
+both. Where the build fetches a layer's q,k,v rows, the model settles during the warm-up, by
+timing steps, where it fetches them (fetch_placement.py), and two runs may settle differently:
+what fetches them is printed, and --fetch fixes the place.
 
 On a shared host whose speed drifts from minute to minute (a 2-core Zen 5 VM read 46 to 80
 GB/s within the hour), whole benchmark runs of one build after the other differ by more than
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from lora_floor import ALL, QV, LoRASwitch, load_random_adapters
+from lora_floor import ALL, QV, LoRASwitch, load_random_adapters, rows_fetched
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "loraplex/kernels/cpu"
@@ -177,9 +177,7 @@ def main() -> None:
     base = times["base"]
     print(
         f"{args.dtype}, {n} sequences on {count} adapters ({args.modules}), {args.rounds} rounds; "
-        f"base step median {median(base) * 1e3:.2f} ms; q,k,v rows fetched (where the build "
-        "fetches) "
-        + ("by the gate_up before" if model.fetch_placement.ahead else "by their projection")
+        f"base step median {median(base) * 1e3:.2f} ms; {rows_fetched(model, n)}"
     )
     for name in names:
         extra = median(a - b for a, b in zip(times[name], base, strict=True))

@@ -168,13 +168,17 @@ def step_against_base(steps: Steps) -> str:
     )
 
 
-def qkv_fetches(model, rows: int) -> str:
-    """What a decode step's q,k,v projection of `rows` rows brings into cache for its LoRA call:
-    "all" its rows (or the gate_up before it does), "A" its A rows alone, "" nothing."""
+def rows_fetched(model, rows: int) -> str:
+    """What brings a decode step's q,k,v adapter rows (a step of `rows` rows) into cache before
+    their LoRA call in this build, as a line to print."""
     qkv = model.layers[0].qkv
     if qkv.fetches_rows(rows):
-        return "all"
-    return "A" if qkv.fetches_shrink_rows(rows) else ""
+        ahead = model.fetch_placement.ahead
+        where = "the layer before's gate_up" if ahead else "the q,k,v projection itself"
+        return f"q,k,v rows fetched by {where}: the engine's timed choice"
+    if qkv.fetches_shrink_rows(rows):
+        return "q,k,v A rows fetched by their projection itself; B rows read by the expands"
+    return "q,k,v rows: nothing fetches them before their LoRA call in this build"
 
 
 def adapter_bytes(engine) -> int:
@@ -221,9 +225,7 @@ def main() -> None:
             # warm up, and past the engine's first timing of where to fetch q,k,v rows
             decode_steps(llm.engine, prompts, loras, 2 * FETCH_PAIRS + 2, switch)
             if name == "q,v":
-                model = llm.engine.runner.model
-                placement = model.fetch_placement.ahead
-                fetches = qkv_fetches(model, n)
+                fetched = rows_fetched(llm.engine.runner.model, n)
             floors[name] = adapter_bytes(llm.engine)
             runner = llm.engine.runner
             default, settings = lora_batch.GROUP_MIN_TOKENS, runner.settings
@@ -272,13 +274,8 @@ def main() -> None:
         print(f"    {beside_pairs(r, size)}")
         r = again[name]
         print(f"    again after the strategies: {step_against_base(r)}; {beside_pairs(r, size)}")
-    if backend == "native" and fetches == "all":
-        where = "the layer before's gate_up" if placement else "the q,k,v projection itself"
-        print(f"q,v rows fetched by {where}: the engine's timed choice")
-    elif backend == "native" and fetches == "A":
-        print("q,v A rows fetched by the q,k,v projection itself; B rows read by the expands")
-    elif backend == "native":
-        print("q,v rows: nothing fetches them before their LoRA call in this build")
+    if backend == "native":
+        print(fetched)
     print("targets: q,v throughput >= 0.95x base; all-module extra <= 1.25x floor")
     print("strategies (adapters x tokens per adapter): step, base step, extra")
     for key, r in results.items():
