@@ -487,8 +487,9 @@ static inline int same_rows(const LoRABinding *b, int64_t s, int64_t u) {
  * over base: on one all-module rank-16 adapter 6.61 -> 4.49 ms a step, on one q,v adapter 2.03
  * -> 1.26 ms, on 8 all-module adapters 8.44 -> 6.38 ms; on 32 distinct adapters level (-0.18 ms
  * q,v, -0.16 ms all-module). On a 2-core Zen 4 (family 25, model 17; the vdpbf16ps build, whose
- * fused projections take the blocks in their two passes) the same: 3.74 -> 2.79, 0.82 -> 0.58 and
- * 3.52 -> 2.54 ms; level on 32 distinct adapters (-0.08 ms q,v, -0.20 ms all-module). */
+ * fused projections take the blocks in their two passes), the same measurements: 3.74 -> 2.79,
+ * 0.82 -> 0.58 and 3.52 -> 2.54 ms; level on 32 distinct adapters (-0.08 ms q,v, -0.20 ms
+ * all-module). */
 static inline int block_at(const LoRABinding *b, int64_t t, int64_t last, int64_t *later) {
     const int64_t *slots = b->slots, s = slots[t];
     int T = 1;
