@@ -104,4 +104,12 @@ static inline void shrinks_after(LoRAPasses *lora, const Items *s, int64_t item)
     shrinks_due(lora, twice > count ? twice - count : 0, count);
 }
 
+/* With `lora`, the shrinks due once `item` is done at the even pace of the thread's items, but
+ * `lag` blocks behind it (see linear_thread_f32, linear_f32.c) */
+static inline void shrinks_behind(LoRAPasses *lora, const Items *s, int64_t item, int64_t lag) {
+    if (lora == NULL) return;
+    const int64_t due = lora->blocks * (item - s->first + 1) / (s->last - s->first) - lag;
+    while (lora->shrunk < due) lora_shrink_next(lora);
+}
+
 #endif

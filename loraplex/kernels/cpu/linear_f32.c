@@ -85,8 +85,17 @@ static inline __attribute__((always_inline)) void tile_f32(
 
 /* Thread t of nt's share of a projection: its run of the items, the call's fetch ranges split
  * between the threads in order and spread over each thread's work (linear.h); with `lora`, the
- * LoRA call's shrinks in the second half of its items, twice as fast as they go (as the
- * vdpbf16ps build's, linear.c) */
+ * LoRA call's shrinks (a token each) between its items at the same even pace, F32_SHRINK_LAG
+ * tokens behind: the fetch ranges are the tokens' rows in order, so a token's shrink reads the
+ * rows brought in two tokens' worth of items before, where at the vdpbf16ps build's pace (the
+ * second half of the items, twice as fast as they go; linear.c) the first tokens' rows came
+ * in half a projection before. On a 2-core Zen 4 (family 25, model 17), 32 sequences on 32
+ * rank-16 adapters, benchmarks/kernel_ab.py --dtype float32 against that pace, extra over base
+ * a decode step: q,v -0.43 and -0.35 ms (of 3.7-4.4), all-module -0.74 and -2.12 ms (of
+ * 15-17); one token behind -0.64 ms q,v, -1.81 and -0.59 ms all-module; four behind against
+ * one +0.16 ms q,v, +1.53 ms all-module. The vdpbf16ps build measured level at this pace
+ * (q,v +0.21 and -0.29 ms, all-module +0.74 and -0.66 ms) and keeps its own. */
+#define F32_SHRINK_LAG 2
 static void linear_thread_f32(const LinearCallF32 *call, int64_t t, int64_t nt,
                               LoRAPasses *lora) {
     const int64_t x_stride = call->x_stride, y_stride = call->y_stride, k = call->k;
@@ -110,7 +119,7 @@ static void linear_thread_f32(const LinearCallF32 *call, int64_t t, int64_t nt,
         default: TILE_OF(1);
         }
 #undef TILE_OF
-        shrinks_after(lora, &s, item);
+        shrinks_behind(lora, &s, item, F32_SHRINK_LAG);
     }
     shrinks_due(lora, 0, 0);
 }
