@@ -168,11 +168,13 @@ def step_against_base(steps: Steps) -> str:
     )
 
 
-def rows_fetched(model, rows: int) -> str:
-    """What brings a decode step's q,k,v adapter rows (a step of `rows` rows) into cache before
-    their LoRA call in this build, as a line to print."""
+def rows_fetched(model, rows: int, modules: tuple[str, ...]) -> str:
+    """What brings a decode step's q,k,v adapter rows (a step of `rows` rows, adapters on
+    `modules`) into cache before their LoRA call in this build, as a line to print."""
     qkv = model.layers[0].qkv
     if qkv.fetches_rows(rows):
+        if "gate_proj" in modules or "up_proj" in modules:
+            return "q,k,v rows fetched by the q,k,v projection itself (gate_up has LoRA of its own)"
         ahead = model.fetch_placement.ahead
         where = "the layer before's gate_up" if ahead else "the q,k,v projection itself"
         return f"q,k,v rows fetched by {where}: the engine's timed choice"
@@ -225,7 +227,7 @@ def main() -> None:
             # warm up, and past the engine's first timing of where to fetch q,k,v rows
             decode_steps(llm.engine, prompts, loras, 2 * FETCH_PAIRS + 2, switch)
             if name == "q,v":
-                fetched = rows_fetched(llm.engine.runner.model, n)
+                fetched = rows_fetched(llm.engine.runner.model, n, modules)
             floors[name] = adapter_bytes(llm.engine)
             runner = llm.engine.runner
             default, settings = lora_batch.GROUP_MIN_TOKENS, runner.settings
