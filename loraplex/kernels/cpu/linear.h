@@ -37,13 +37,16 @@ static inline Ranges thread_ranges(const int64_t *at, const int64_t *bytes, int6
     return r;
 }
 
-/* With `lora` (the fused call's LoRA in two passes, lora.c), the thread's shrinks go between
- * its items of the projection, as evenly: those due once `done` of its `items` are; with items
- * 0, all that are left (after a thread's last item, or for a thread without any). */
-static inline void shrinks_due(LoRAPasses *lora, int64_t done, int64_t items) {
-    if (lora == NULL) return;
-    const int64_t due = items > 0 ? lora->blocks * done / items : lora->blocks;
+/* The fused call's shrinks (its LoRA in two passes, lora.c) up to the first `due` blocks */
+static inline void shrinks_to(LoRAPasses *lora, int64_t due) {
     while (lora->shrunk < due) lora_shrink_next(lora);
+}
+
+/* With `lora`, the thread's shrinks go between its items of the projection, as evenly: those
+ * due once `done` of its `items` are; with items 0, all that are left (after a thread's last
+ * item, or for a thread without any). */
+static inline void shrinks_due(LoRAPasses *lora, int64_t done, int64_t items) {
+    if (lora != NULL) shrinks_to(lora, items > 0 ? lora->blocks * done / items : lora->blocks);
 }
 
 /* A thread's share of a projection: (block, tile of rows) items in block order, split evenly
@@ -107,9 +110,8 @@ static inline void shrinks_after(LoRAPasses *lora, const Items *s, int64_t item)
 /* With `lora`, the shrinks due once `item` is done at the even pace of the thread's items, but
  * `lag` blocks behind it (see linear_thread_f32, linear_f32.c) */
 static inline void shrinks_behind(LoRAPasses *lora, const Items *s, int64_t item, int64_t lag) {
-    if (lora == NULL) return;
-    const int64_t due = lora->blocks * (item - s->first + 1) / (s->last - s->first) - lag;
-    while (lora->shrunk < due) lora_shrink_next(lora);
+    if (lora != NULL)
+        shrinks_to(lora, lora->blocks * (item - s->first + 1) / (s->last - s->first) - lag);
 }
 
 #endif
