@@ -16,6 +16,10 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
   reads; the floor they imply; the extra step time over base (median of the pairs' differences)
   as a multiple of that floor (target <= 1.25x for all-module) and the q,v batch's
   throughput against base (target >= 0.95x);
+* what the base step itself reads (the weights and the sequences' KV cache) and how long that
+  takes at the bandwidth read between the pairs: where the q,v floor is more than 5% of the
+  base step, 0.95x needs the rows fetched while the step computes, and the rest of the base
+  step is where that can happen;
 * the engine's own strategy on 32 adapters measured once more after the strategies below, some
   minutes later: a shared host has slow phases (a 2-core Xeon's base step went from 46-48 to
   58-64 ms for tens of seconds), longer than one measurement, and two far apart show when one
@@ -111,6 +115,7 @@ class Steps:
     without: float  # median step time of the same batch with LoRA skipped
     extra: float  # median of (with - without) over adjacent pairs
     bandwidth: list[float]  # bytes/s read between the pairs (BandwidthProbe), in order
+    context: float  # median over the pairs of the tokens in the running sequences' KV cache
 
 
 SAMPLE_EVERY = 6  # pairs of steps between two reads of the bandwidth
@@ -131,11 +136,12 @@ def decode_steps(
     started: set[str] = set()
     while len(started) < len(prompts):
         started |= {delta.request_id for delta in engine.step()}
-    pairs, bandwidth = [], []
+    pairs, bandwidth, context = [], [], []
     for i in range(steps):
         if probe is not None and i % SAMPLE_EVERY == 0:
             bandwidth.append(probe.read())
             engine.step()
+        context.append(sum(seq.num_tokens for seq in engine.scheduler.running))
         pairs.append(step_pair(engine, switch))
     switch.on = True
     while engine.has_unfinished():
@@ -145,6 +151,7 @@ def decode_steps(
         statistics.median(off for _, off in pairs),
         statistics.median(on - off for on, off in pairs),
         bandwidth,
+        statistics.median(context),
     )
 
 
@@ -157,6 +164,26 @@ def beside_pairs(steps: Steps, size: int) -> str:
         f"read between its pairs: {reads} GB/s; at their median, {during / 1e9:.1f} GB/s, the "
         f"floor is {size / during * 1e3:5.2f} ms and the extra, {steps.extra * 1e3:.2f} ms, "
         f"{steps.extra / (size / during):.2f}x it"
+    )
+
+
+def base_reads(config, dtype: torch.dtype, steps: Steps) -> str:
+    """What a base decode step itself reads from memory, as a line to print: every projection's
+    weights and the LM head, and the KV cache of its sequences; and the time that takes at the
+    median of the reads between the pairs. Where that is most of the base step, the adapter
+    rows can only hide in the rest: q,v's 0.95x needs their floor under 5% of the step, and
+    what is left of the step is where a fetch can carry them."""
+    c, size = config, dtype.itemsize
+    per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+    per_layer += 3 * c.hidden_size * c.intermediate_size
+    weights = (c.num_layers * per_layer + c.vocab_size * c.hidden_size) * size
+    kv = steps.context * c.num_layers * 2 * c.kv_size * size
+    during = statistics.median(steps.bandwidth)
+    streaming = (weights + kv) / during
+    return (
+        f"the base step reads {weights / 2**20:.0f} MiB of weights and {kv / 2**20:.0f} MiB of "
+        f"KV cache ({steps.context:.0f} tokens): {streaming * 1e3:.1f} ms of its "
+        f"{steps.without * 1e3:.1f} ms at {during / 1e9:.1f} GB/s"
     )
 
 
@@ -246,6 +273,7 @@ def main() -> None:
             finally:
                 lora_batch.GROUP_MIN_TOKENS, runner.settings = default, settings
             dtype, backend = llm.engine.config.dtype, settings.lora_backend
+            config, torch_dtype = llm.engine.model_config, llm.engine.config.torch_dtype
             # the engine's own choice on 32 distinct adapters: native, or else the torch path,
             # which gathers runs of one token
             default_strategy = "native" if backend == "native" else "gathered"
@@ -274,6 +302,7 @@ def main() -> None:
             f"extra over base {r.extra * 1e3:6.2f} ms = {r.extra / floor:.2f}x floor"
         )
         print(f"    {beside_pairs(r, size)}")
+        print(f"    {base_reads(config, torch_dtype, r)}")
         r = again[name]
         print(f"    again after the strategies: {step_against_base(r)}; {beside_pairs(r, size)}")
     if backend == "native":

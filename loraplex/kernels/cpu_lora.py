@@ -568,19 +568,20 @@ class CpuLinearF32(_NativeLinear):
     AVX-512, where they were measured faster than oneDNN's (benchmarks/prompt_projection.py
     --dtype float32, SmolLM2's projections over 30 layers at 32 rows):
     - on Zen 4 (zen4): 0.80x oneDNN's time; it fetches the LoRA call's rows meanwhile there;
-    - on Intel with AVX512-FP16 (intel_fp16; a 2-core Xeon, family 6, model 207): 0.78x; it
-      fetches only the A rows of the LoRA call it makes itself there (fetches_shrinks), spread
-      over the whole projection, ahead of the shrinks (in its second half when the figures here
-      were taken; now at the fetch's own pace, two tokens behind: linear_f32.c, measured on Zen
-      4 only). In decode steps of 32 sequences on 32 adapters, all the call's rows made the
-      step slower (q,v +3.2 ms, all-module +7.0 ms of 110-140 ms, engines stepped in turn), and
-      so, on q,v, did its B rows alone (+0.17 ms over the whole projection, +0.76 ms over its
-      second half) and its A rows over the first half alone (+1.46 ms; scratch builds against
-      the one without, benchmarks/kernel_ab.py). The A rows over all of it: q,v extra over base
-      5.44, 5.88 and 5.44 against 6.40, 6.54 and 6.56 ms in three such runs (medians; paired
-      medians of the differences -0.55, +0.13 and -1.03 ms), and in the engine with the fetch
-      on and off step by step 0.84 and 0.53 ms less (paired medians of 60); all-module level
-      (-0.08, +0.44, -0.27 and +0.35 ms, paired medians).
+    - on Intel with AVX512-FP16 (intel_fp16; a 2-core Xeon, family 6, model 207): 0.78x; it fetches
+      only the A rows of the LoRA call it makes itself there (fetches_shrinks), spread over the
+      whole projection, ahead of the shrinks (in its second half when the figures here were taken;
+      now at the fetch's own pace, two tokens behind: linear_f32.c; against the old pace on such a
+      Xeon, benchmarks/kernel_ab.py --dtype float32 --against e401e57, q,v -2.14 and -0.11 ms,
+      all-module -1.62 ms). In decode steps of 32 sequences on 32 adapters, all the call's rows made
+      the step slower (q,v +3.2 ms, all-module +7.0 ms of 110-140 ms, engines stepped in turn), and
+      so, on q,v, did its B rows alone (+0.17 ms over the whole projection, +0.76 ms over its second
+      half) and its A rows over the first half alone (+1.46 ms; scratch builds against the one
+      without, benchmarks/kernel_ab.py). The A rows over all of it: q,v extra over base 5.44, 5.88
+      and 5.44 against 6.40, 6.54 and 6.56 ms in three such runs (medians; paired medians of the
+      differences -0.55, +0.13 and -1.03 ms), and in the engine with the fetch on and off step by
+      step 0.84 and 0.53 ms less (paired medians of 60); all-module level (-0.08, +0.44, -0.27 and
+      +0.35 ms, paired medians).
     - on Intel's other CPUs with AVX-512 (intel_avx512; a 2-core Xeon, family 6, model 85,
       Cascade Lake): 0.86x, 0.89x and 0.99x in three runs; it fetches nothing there. Whole
       steps of 32 sequences on 32 adapters (benchmarks/projection_ab.py, engines stepped in
