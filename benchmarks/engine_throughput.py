@@ -55,12 +55,17 @@ def _flops(matmul, runs: int = 50) -> float:
     return 2 * 512 * 576 * 1536 * runs / (time.perf_counter() - start)
 
 
+def layer_weights(config) -> int:
+    """The weights of one decoder layer's projections (q,k,v, o, gate, up, down)."""
+    c = config
+    per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+    return per_layer + 3 * c.hidden_size * c.intermediate_size
+
+
 def model_flops(config, prompts: list[list[int]], new_tokens: int) -> float:
     """Matmul FLOPs of the run: weights (2 per parameter per token) plus attention scores."""
     c = config
-    per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-    per_layer += 3 * c.hidden_size * c.intermediate_size
-    weights = 2 * c.num_layers * per_layer
+    weights = 2 * c.num_layers * layer_weights(c)
     total = 0.0
     for prompt in prompts:
         for position in range(len(prompt) + new_tokens - 1):

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 import torch
-from engine_throughput import make_prompts
+from engine_throughput import layer_weights, make_prompts
 
 QV = ("q_proj", "v_proj")
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -170,14 +170,14 @@ def beside_pairs(steps: Steps, size: int) -> str:
 def base_reads(config, dtype: torch.dtype, steps: Steps) -> str:
     """What a base decode step itself reads from memory, as a line to print: every projection's
     weights and the LM head, and the KV cache of its sequences; and the time that takes at the
-    median of the reads between the pairs. Where that is most of the base step, the adapter
-    rows can only hide in the rest: q,v's 0.95x needs their floor under 5% of the step, and
-    what is left of the step is where a fetch can carry them."""
+    median of the reads between the pairs. q,v's 0.95x allows an extra of about 5% of the base
+    step; where the rows' floor is more, a fetch has to carry them in the part of the step that
+    does not stream."""
+    from loraplex.engine.kv_cache import kv_page_numel
+
     c, size = config, dtype.itemsize
-    per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-    per_layer += 3 * c.hidden_size * c.intermediate_size
-    weights = (c.num_layers * per_layer + c.vocab_size * c.hidden_size) * size
-    kv = steps.context * c.num_layers * 2 * c.kv_size * size
+    weights = (c.num_layers * layer_weights(c) + c.vocab_size * c.hidden_size) * size
+    kv = steps.context * kv_page_numel(c, 1) * size  # a page of one token: every layer's K and V
     during = statistics.median(steps.bandwidth)
     streaming = (weights + kv) / during
     return (
