@@ -190,6 +190,32 @@ static inline void axpy_bf16(float *acc, float v, const uint16_t *b, int64_t n) 
         _mm512_mask_storeu_ps(acc + k, m, sum);
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* With AVX2 the dot product is written out too, its sum in one order: the order of the plain
+ * loop's vectorized sum is the compiler's, and once the attention passes around it changed, a
+ * sequence's scores took other bits in a batch of two (split by kv head between the threads)
+ * than in a batch of seven, the same query and keys. */
+static inline __m256 bf16x8(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline float dot_bf16(const float *x, const uint16_t *a, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), bf16x8(a + k), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), bf16x8(a + k + 8), acc1);
+    }
+    float sum = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; k < n; k++) sum += x[k] * bf16_to_f32(a[k]);
+    return sum;
+}
+
+static inline void axpy_bf16(float *acc, float v, const uint16_t *b, int64_t n) {
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) acc[k] += v * bf16_to_f32(b[k]);
+}
 #else
 static inline float dot_bf16(const float *x, const uint16_t *a, int64_t n) {
     float acc = 0.0f;

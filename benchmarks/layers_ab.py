@@ -1,0 +1,97 @@
+"""Two builds of the CPU kernels' decoder layers compared in one process, decode step by step.
+
+    python benchmarks/layers_ab.py --against REV [--dtype bfloat16|float32] [--rounds 100]
+                                   [--adapters N --modules qv|all]
+
+kernel_ab.py swaps a build's LoRA calls alone; this swaps the native call that runs every
+decoder layer of a decode step (cpu/layers.c: the projections, norms, rotary embedding,
+attention and LoRA calls of its build), for changes to any of them. Builds the kernels' C
+sources as they are at git revision REV into a library of its own, then runs 32 sequences
+decoding together (SmolLM2, 64-token prompts, greedy, EOS ignored), on the base model or, with
+--adapters N, on N random rank-16 adapters in turn: each round takes one step with each build,
+their order alternating, and it prints each build's median step and the median of the paired
+differences. Everything outside the layers (the embedding, the LM head, sampling, the
+scheduler) is the working tree's in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from engine_throughput import make_prompts
+from kernel_ab import build_at
+from lora_floor import ALL, QV, load_random_adapters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--against", required=True, help="git revision of the other build")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument("--adapters", type=int, default=0, help="0: the base model alone")
+    parser.add_argument("--modules", choices=("qv", "all"), default="qv")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+
+    from loraplex import LLM, SamplingParams
+    from loraplex.engine.default_model import resolve_model
+    from loraplex.kernels import cpu_lora
+
+    n = args.sequences
+    with tempfile.TemporaryDirectory() as tmp:
+        other = cpu_lora.CpuDecoderLayers(build_at(args.against, Path(tmp)))
+        llm = LLM(model=str(resolve_model("default")), dtype=args.dtype)
+        engine = llm.engine
+        modules = QV if args.modules == "qv" else ALL
+        loras = load_random_adapters(llm, modules, args.adapters, Path(tmp))
+        warmup = 80  # past the prefills (and the model's first timing of where rows are fetched)
+        params = SamplingParams(
+            temperature=0.0, max_tokens=warmup + 2 * args.rounds + 8, ignore_eos=True
+        )
+        prompts = make_prompts(llm.tokenizer, n, 64)
+        for i, prompt in enumerate(prompts):
+            lora = loras[i % len(loras)] if loras else None
+            engine.add_request(engine.make_request(prompt, params, lora=lora))
+        for _ in range(warmup):
+            engine.step()
+        model = engine.runner.model
+        if model._decoder is None:
+            raise SystemExit(f"this CPU runs {args.dtype} decode steps layer by layer")
+        builds = {"working tree": model._decoder, args.against: other}
+        names = list(builds)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(args.rounds):
+            for name in names if i % 2 == 0 else names[::-1]:
+                model._decoder = builds[name]
+                started = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - started)
+        model._decoder = builds["working tree"]
+        context = sum(seq.num_tokens for seq in engine.scheduler.running)
+
+    median = statistics.median
+    on = f"{args.adapters} adapters ({args.modules})" if args.adapters else "the base model"
+    print(
+        f"{args.dtype}, {n} sequences on {on}, {args.rounds} rounds; "
+        f"{context} tokens in the KV cache at the end"
+    )
+    for name in names:
+        print(f"  step, {name:14s} {median(times[name]) * 1e3:7.2f} ms (median)")
+    ours, theirs = times["working tree"], times[args.against]
+    paired = median(a - b for a, b in zip(ours, theirs, strict=True))
+    print(
+        f"  working tree - {args.against}: {paired * 1e3:+.3f} ms a step (median of the pairs), "
+        f"{median(a / b for a, b in zip(ours, theirs, strict=True)):.3f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
