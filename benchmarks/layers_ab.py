@@ -11,7 +11,8 @@ decoding together (SmolLM2, 64-token prompts, greedy, EOS ignored), on the base 
 --adapters N, on N random rank-16 adapters in turn: each round takes one step with each build,
 their order alternating, and it prints each build's median step and the median of the paired
 differences. Everything outside the layers (the embedding, the LM head, sampling, the
-scheduler) is the working tree's in both.
+scheduler) is the working tree's in both, and so are the structures the call takes
+(cpu_lora.DecoderLayer, DecoderStep, LayerLoRA): REV must take the same ones.
 """
 
 from __future__ import annotations
