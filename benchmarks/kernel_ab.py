@@ -37,24 +37,62 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "loraplex/kernels/cpu"
 
 
-def build_at(revision: str, folder: Path) -> ctypes.CDLL:
-    """The kernels' library built from their sources at `revision`, with this machine's flags."""
+def build_at(revision: str | None, folder: Path, march: str = "native") -> ctypes.CDLL:
+    """The kernels' library built from their sources at `revision` (None: the working tree's),
+    with this machine's flags, or for the x86-64 target `march` in place of -march=native."""
     from loraplex.kernels import cpu_lora
 
-    listing = subprocess.run(
-        ["git", "ls-tree", "--name-only", f"{revision}:{KERNELS}"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+    if revision is None:
+        listing = sorted(source.name for source in (ROOT / KERNELS).glob("*.[ch]"))
+    else:
+        listing = subprocess.run(
+            ["git", "ls-tree", "--name-only", f"{revision}:{KERNELS}"],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
     for name in listing:
-        source = subprocess.run(
-            ["git", "show", f"{revision}:{KERNELS}/{name}"],
-            cwd=ROOT, capture_output=True, check=True,
-        ).stdout  # fmt: skip
-        (folder / name).write_bytes(source)
+        (folder / name).write_bytes(_source(revision, name))
     target = folder / "kernels.so"
     sources = sorted(folder / name for name in listing if name.endswith(".c"))
-    subprocess.run(cpu_lora.compile_command(cpu_lora._compiler(), sources, target), check=True)
+    command = cpu_lora.compile_command(cpu_lora._compiler(), sources, target)
+    command = [f"-march={march}" if flag == "-march=native" else flag for flag in command]
+    subprocess.run(command, check=True)
     return ctypes.CDLL(str(target))
+
+
+def alternate(rounds: int, runs: dict, before=None) -> dict[str, list[float]]:
+    """The seconds of each of `runs` (name -> function), called once a round, their order
+    alternating round by round; `before` (untimed) ahead of each call."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names if i % 2 == 0 else names[::-1]:
+            if before is not None:
+                before()
+            started = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - started)
+    return times
+
+
+def against(ours: list[float], theirs: list[float], revision: str, unit: str, per: str) -> str:
+    """The working tree's times against `revision`'s, paired round by round, as a line: the
+    median of the differences in `unit` (ms or us) a `per` (step, call) and of the ratios."""
+    scale = {"ms": 1e3, "us": 1e6}[unit]
+    paired = statistics.median(a - b for a, b in zip(ours, theirs, strict=True))
+    ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+    return (
+        f"working tree - {revision}: {paired * scale:+.3f} {unit} a {per} (median of the pairs), "
+        f"{ratio:.3f}x"
+    )
+
+
+def _source(revision: str | None, name: str) -> bytes:
+    """A kernel source file as it is at `revision` (None: in the working tree)."""
+    if revision is None:
+        return (ROOT / KERNELS / name).read_bytes()
+    return subprocess.run(
+        ["git", "show", f"{revision}:{KERNELS}/{name}"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
 
 
 class LoRACalls:
@@ -182,9 +220,7 @@ def main() -> None:
     for name in names:
         extra = median(a - b for a, b in zip(times[name], base, strict=True))
         print(f"  extra over base, {name:14s} {extra * 1e3:7.3f} ms (median of the pairs)")
-    ours, theirs = times["working tree"], times[args.against]
-    paired = median(a - b for a, b in zip(ours, theirs, strict=True))
-    print(f"  working tree - {args.against}: {paired * 1e3:+.3f} ms a step (median of the pairs)")
+    print(f"  {against(times['working tree'], times[args.against], args.against, 'ms', 'step')}")
 
 
 if __name__ == "__main__":

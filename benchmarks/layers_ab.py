@@ -18,14 +18,14 @@ scheduler) is the working tree's in both, and so are the structures the call tak
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from kernel_ab import build_at
+from kernel_ab import against, alternate, build_at
 from lora_floor import ALL, QV, load_random_adapters
 
 
@@ -67,14 +67,13 @@ def main() -> None:
         if model._decoder is None:
             raise SystemExit(f"this CPU runs {args.dtype} decode steps layer by layer")
         builds = {"working tree": model._decoder, args.against: other}
-        names = list(builds)
-        times: dict[str, list[float]] = {name: [] for name in names}
-        for i in range(args.rounds):
-            for name in names if i % 2 == 0 else names[::-1]:
-                model._decoder = builds[name]
-                started = time.perf_counter()
-                engine.step()
-                times[name].append(time.perf_counter() - started)
+
+        def step_with(build):
+            model._decoder = build
+            engine.step()
+
+        runs = {name: functools.partial(step_with, build) for name, build in builds.items()}
+        times = alternate(args.rounds, runs)
         model._decoder = builds["working tree"]
         context = sum(seq.num_tokens for seq in engine.scheduler.running)
 
@@ -84,14 +83,9 @@ def main() -> None:
         f"{args.dtype}, {n} sequences on {on}, {args.rounds} rounds; "
         f"{context} tokens in the KV cache at the end"
     )
-    for name in names:
+    for name in times:
         print(f"  step, {name:14s} {median(times[name]) * 1e3:7.2f} ms (median)")
-    ours, theirs = times["working tree"], times[args.against]
-    paired = median(a - b for a, b in zip(ours, theirs, strict=True))
-    print(
-        f"  working tree - {args.against}: {paired * 1e3:+.3f} ms a step (median of the pairs), "
-        f"{median(a / b for a, b in zip(ours, theirs, strict=True)):.3f}x"
-    )
+    print(f"  {against(times['working tree'], times[args.against], args.against, 'ms', 'step')}")
 
 
 if __name__ == "__main__":

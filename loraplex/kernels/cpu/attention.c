@@ -43,8 +43,10 @@ static inline void prefetch_bytes(const void *p, size_t n) {
  * once a token): after `skip` tokens, at one token in `every`, `bytes` from `offset` into the
  * next of `rows`, `left` of them. Where every pass first listed the row it fetched at each of its
  * tokens (NULL where none), the lists took 1.7% of a bfloat16 decode step's samples on a 2-core
- * Zen 4 (perf; 32 sequences of about 300 tokens); without them the step took 0.986-0.989x as
- * long, float32's 0.994x (benchmarks/layers_ab.py, paired medians of 100-150 rounds). */
+ * Zen 4 (perf; 32 sequences of about 300 tokens). Without them a layer's call on 32 sequences of
+ * 300 tokens took 0.946-0.959x as long in bfloat16, 0.988x in float32, the same bits
+ * (benchmarks/attention_ab.py); a whole bfloat16 decode step 0.986-1.006x in six runs, 0.994x
+ * and 0.995x in the two of 300 rounds (benchmarks/layers_ab.py). */
 typedef struct {
     const void *const *rows;
     size_t offset, bytes;

@@ -1,0 +1,80 @@
+"""Two builds of the CPU decode attention compared in one process, call by call.
+
+    python benchmarks/attention_ab.py --against REV [--march native|x86-64-v3|x86-64-v4]
+                                      [--dtype bfloat16|float32] [--tokens 300] [--rounds 200]
+
+Builds the kernels' C sources of the working tree and of git revision REV, each into a library
+of its own, for this machine or for another x86-64 target (x86-64-v3: the build for CPUs
+without AVX-512, run here), and times one layer's decode attention of 32 sequences of --tokens
+tokens each (SmolLM2's heads: 9 query heads on 3 kv heads of 64), their KV pages scattered
+through the cache, with a 64 MiB read before each call so that the keys come from memory as a
+decode step's do. The builds alternate call by call; it prints each one's median and the
+median of the paired differences, and whether the two gave the same bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from kernel_ab import against, alternate, build_at
+
+HEADS, KV_HEADS, DIM, PAGE_SIZE = 9, 3, 64, 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--against", required=True, help="git revision of the other build")
+    parser.add_argument("--march", default="native")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+
+    from loraplex.kernels import cpu_lora
+
+    n, dtype = args.sequences, getattr(torch, args.dtype)
+    generator = torch.Generator().manual_seed(0)
+    pages_each = -(-args.tokens // PAGE_SIZE)
+    kv = torch.randn(n * pages_each, PAGE_SIZE, 2, KV_HEADS, DIM, generator=generator).to(dtype)
+    tables = torch.randperm(n * pages_each, generator=generator).view(n, pages_each).contiguous()
+    lens = torch.full((n,), args.tokens)
+    q = torch.randn(n, HEADS, DIM, generator=generator).to(dtype)
+    scale = DIM**-0.5
+    other = torch.ones(64 * 2**20 // 4)  # read before each call: the caches hold none of kv
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {}
+        for name, revision in (("working tree", None), (args.against, args.against)):
+            folder = Path(tmp) / name.replace(" ", "-")
+            folder.mkdir()
+            builds[name] = cpu_lora.CpuAttentionKernel(build_at(revision, folder, args.march))
+        outputs = {}
+
+        def decode_with(name):
+            outputs[name] = builds[name].decode(q, kv, tables, lens, scale)
+
+        runs = {name: functools.partial(decode_with, name) for name in builds}
+        times = alternate(args.rounds, runs, before=other.sum)
+
+    median = statistics.median
+    print(
+        f"{args.dtype}, -march={args.march}, {n} sequences of {args.tokens} tokens, "
+        f"{HEADS} heads on {KV_HEADS} kv heads of {DIM}, {args.rounds} rounds"
+    )
+    for name in times:
+        print(f"  {name:14s} {median(times[name]) * 1e6:8.1f} us a call (median)")
+    line = against(times["working tree"], times[args.against], args.against, "us", "call")
+    same = torch.equal(outputs["working tree"], outputs[args.against])
+    print(f"  {line}; the same bits: {same}")
+
+
+if __name__ == "__main__":
+    main()
