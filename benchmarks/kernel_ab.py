@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,7 +60,9 @@ def build_at(revision: str | None, folder: Path, march: str = "native") -> ctype
     return ctypes.CDLL(str(target))
 
 
-def alternate(rounds: int, runs: dict, before=None) -> dict[str, list[float]]:
+def alternate(
+    rounds: int, runs: dict[str, Callable[[], object]], before: Callable[[], object] | None = None
+) -> dict[str, list[float]]:
     """The seconds of each of `runs` (name -> function), called once a round, their order
     alternating round by round; `before` (untimed) ahead of each call."""
     names = list(runs)

@@ -190,13 +190,14 @@ static inline void axpy_bf16(float *acc, float v, const uint16_t *b, int64_t n) 
         _mm512_mask_storeu_ps(acc + k, m, sum);
     }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-/* With AVX2 the dot product is written out too, its sum in one order: the order of the plain
- * loop's vectorized sum is the compiler's, and once the attention passes around it changed, a
- * sequence's scores took other bits in a batch of two (split by kv head between the threads)
- * than in a batch of seven, the same query and keys. With attention.c's change to its fetches,
- * a bfloat16 call on 32 sequences of 300 tokens took 0.687x as long in this build, run on a Zen
- * 4 (benchmarks/attention_ab.py --march x86-64-v3). */
+#else
+#if defined(__AVX2__) && defined(__FMA__)
+/* With AVX2 the dot product is written out too, its sum in one order. The order of a plain
+ * loop's vectorized sum (`omp simd reduction`, as it was) is the compiler's, and once the
+ * attention passes around it changed, a sequence's scores took other bits in a batch of two
+ * (split by kv head between the threads) than in a batch of seven, the same query and keys.
+ * With attention.c's change to its fetches, a bfloat16 call on 32 sequences of 300 tokens took
+ * 0.687x as long in this build, run on a Zen 4 (benchmarks/attention_ab.py --march x86-64-v3). */
 static inline __m256 bf16x8(const uint16_t *p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -213,19 +214,20 @@ static inline float dot_bf16(const float *x, const uint16_t *a, int64_t n) {
     for (; k < n; k++) sum += x[k] * bf16_to_f32(a[k]);
     return sum;
 }
-
-static inline void axpy_bf16(float *acc, float v, const uint16_t *b, int64_t n) {
-#pragma omp simd
-    for (int64_t k = 0; k < n; k++) acc[k] += v * bf16_to_f32(b[k]);
-}
 #else
+/* Eight sums in the source's order, which the compiler may run side by side but not reorder */
 static inline float dot_bf16(const float *x, const uint16_t *a, int64_t n) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t k = 0; k < n; k++) acc += x[k] * bf16_to_f32(a[k]);
-    return acc;
+    float acc[8] = {0.0f};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int i = 0; i < 8; i++) acc[i] += x[k + i] * bf16_to_f32(a[k + i]);
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; k < n; k++) sum += x[k] * bf16_to_f32(a[k]);
+    return sum;
 }
+#endif
 
+/* element by element: no sum whose order the compiler could choose */
 static inline void axpy_bf16(float *acc, float v, const uint16_t *b, int64_t n) {
 #pragma omp simd
     for (int64_t k = 0; k < n; k++) acc[k] += v * bf16_to_f32(b[k]);
