@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from lora_floor import ALL, QV, LoRASwitch, load_random_adapters, rows_fetched
+from lora_floor import ALL, QV, LoRASwitch, add_decoding, load_random_adapters, rows_fetched
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "loraplex/kernels/cpu"
@@ -175,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    from loraplex import LLM, SamplingParams
+    from loraplex import LLM
     from loraplex.engine.default_model import resolve_model
 
     n, modules = args.sequences, QV if args.modules == "qv" else ALL
@@ -187,11 +187,9 @@ def main() -> None:
         loras = load_random_adapters(llm, modules, count, Path(tmp))
         switch = LoRASwitch()
         warmup = 140  # past the prefills and the model's first timing of where rows are fetched
-        params = SamplingParams(
-            temperature=0.0, max_tokens=warmup + 3 * args.rounds + 8, ignore_eos=True
+        add_decoding(
+            engine, make_prompts(llm.tokenizer, n, 64), loras, warmup + 3 * args.rounds + 8
         )
-        for i, prompt in enumerate(make_prompts(llm.tokenizer, n, 64)):
-            engine.add_request(engine.make_request(prompt, params, lora=loras[i % count]))
         for _ in range(warmup):
             engine.step()
         model = engine.runner.model

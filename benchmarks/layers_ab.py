@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from engine_throughput import make_prompts
 from kernel_ab import against, alternate, build_at
-from lora_floor import ALL, QV, load_random_adapters
+from lora_floor import ALL, QV, add_decoding, load_random_adapters
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    from loraplex import LLM, SamplingParams
+    from loraplex import LLM
     from loraplex.engine.default_model import resolve_model
     from loraplex.kernels import cpu_lora
 
@@ -54,13 +54,9 @@ def main() -> None:
         modules = QV if args.modules == "qv" else ALL
         loras = load_random_adapters(llm, modules, args.adapters, Path(tmp))
         warmup = 80  # past the prefills (and the model's first timing of where rows are fetched)
-        params = SamplingParams(
-            temperature=0.0, max_tokens=warmup + 2 * args.rounds + 8, ignore_eos=True
+        add_decoding(
+            engine, make_prompts(llm.tokenizer, n, 64), loras, warmup + 2 * args.rounds + 8
         )
-        prompts = make_prompts(llm.tokenizer, n, 64)
-        for i, prompt in enumerate(prompts):
-            lora = loras[i % len(loras)] if loras else None
-            engine.add_request(engine.make_request(prompt, params, lora=lora))
         for _ in range(warmup):
             engine.step()
         model = engine.runner.model

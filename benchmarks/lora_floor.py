@@ -100,6 +100,17 @@ def load_random_adapters(llm, modules, count: int, folder: Path, rank: int = 16)
     return loras
 
 
+def add_decoding(engine, prompts, loras, max_tokens: int) -> None:
+    """`prompts` added to `engine`, greedy with EOS ignored for `max_tokens` tokens each, request
+    i on loras[i mod len(loras)] (on the base model where there are none)."""
+    from loraplex import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        lora = loras[i % len(loras)] if loras else None
+        engine.add_request(engine.make_request(prompt, params, lora=lora))
+
+
 def step_pair(engine, switch: LoRASwitch) -> tuple[float, float]:
     """The times of a step with LoRA and of the next, the same batch with LoRA skipped (the
     switch is left off)."""
@@ -127,12 +138,7 @@ def decode_steps(
     """Decode steps once every sequence is past its prefill, LoRA on and off in turn; with a
     probe, the bandwidth read before every SAMPLE_EVERY pairs, each read followed by a step left
     out of the pairs (the read empties the caches)."""
-    from loraplex import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 4, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        lora = loras[i % len(loras)] if loras else None
-        engine.add_request(engine.make_request(prompt, params, lora=lora))
+    add_decoding(engine, prompts, loras, 2 * steps + 4)
     started: set[str] = set()
     while len(started) < len(prompts):
         started |= {delta.request_id for delta in engine.step()}

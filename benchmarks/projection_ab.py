@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from lora_floor import ALL, QV, LoRASwitch, load_random_adapters, step_pair
+from lora_floor import ALL, QV, LoRASwitch, add_decoding, load_random_adapters, step_pair
 
 WAYS = {"own": (False, False), "fetching": (True, False), "shrinks": (False, True)}
 
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from loraplex import LLM, SamplingParams
+    from loraplex import LLM
     from loraplex.engine.default_model import resolve_model
     from loraplex.kernels import cpu_lora
 
@@ -54,13 +54,11 @@ def main() -> None:
         raise SystemExit("the native float32 projection does not build here (it needs AVX-512)")
     model_dir, modules = resolve_model("default"), QV if args.modules == "qv" else ALL
     switch = LoRASwitch()
-    params = SamplingParams(temperature=0.0, max_tokens=16 * args.rounds + 200, ignore_eos=True)
 
     def decoding_engine(tmp: str, name: str) -> LLM:
         llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=256)
         engine, loras = llm.engine, load_random_adapters(llm, modules, 32, Path(tmp) / name)
-        for prompt, lora in zip(make_prompts(llm.tokenizer, 32, 64), loras, strict=True):
-            engine.add_request(engine.make_request(prompt, params, lora=lora))
+        add_decoding(engine, make_prompts(llm.tokenizer, 32, 64), loras, 16 * args.rounds + 200)
         for _ in range(40):  # past the prefills
             engine.step()
         return llm
