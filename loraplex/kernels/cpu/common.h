@@ -108,10 +108,16 @@ static inline float exp_shifted(float *x, int64_t n, float shift) {
 static inline float dot_f32_ahead(const float *x, const float *a, int64_t n, const float *ahead) {
     if (ahead != NULL)
         for (int64_t k = 0; k < n; k += 16) __builtin_prefetch(ahead + k, 0, 3);
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t k = 0; k < n; k++) acc += x[k] * a[k];
-    return acc;
+    /* eight sums in the source's order, as the plain dot_bf16 below keeps them: an omp simd
+     * reduction's order is the compiler's, and may differ from one place it is inlined to
+     * another */
+    float acc[8] = {0.0f};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int i = 0; i < 8; i++) acc[i] += x[k + i] * a[k + i];
+    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; k < n; k++) sum += x[k] * a[k];
+    return sum;
 }
 
 static inline void axpy_f32_ahead(float *y, float v, const float *b, int64_t n,
