@@ -10,7 +10,7 @@ On CPU, dense projections run through oneDNN with weights prepacked once at load
 for the 32-to-256-row batches of a serving step, and still IEEE float32. In bfloat16, a decode
 step's products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel instead, on AMX
 tiles or AVX512-BF16 dot products (choose_linear); with AMX, in its FMA build and on Zen 4,
-every product does. In float32 on Zen 4 and on Intel Xeons with AVX-512, a decode step's
+every product does. In float32 on Zen 4 and 5 and on Intel Xeons with AVX-512, a decode step's
 products go through the native float32 kernel (IEEE products and sums, in another order
 than oneDNN's). Anywhere else (CUDA, or a CPU build without oneDNN), `torch.nn.functional.linear`.
 """
@@ -161,7 +161,7 @@ NATIVE_LINEAR_MAX_ROWS = 32
 def choose_linear(weight: torch.Tensor):
     """The native projection for a CPU weight, where it builds and runs natively for the weight's
     dtype: bfloat16 on a CPU with AMX or AVX512-BF16 (cpu_lora.CpuLinearBf16), float32 on Zen 4
-    and Intel with AVX-512 (cpu_lora.CpuLinearF32); None elsewhere.
+    and 5 and Intel with AVX-512 (cpu_lora.CpuLinearF32); None elsewhere.
     LORAPLEX_ONEDNN_LINEAR=1 keeps oneDNN's alone."""
     if weight.device.type != "cpu" or os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1":
         return None

@@ -441,8 +441,9 @@ def _projection_step(
 ) -> ProjectionStep:
     """The step of the projection of `modules` in `layer` on a 2-D input of `rows` rows: the
     adapter rows brought into cache during the projection where it fetches (bfloat16 on
-    AVX512-BF16 without AMX, float32 on Zen 4; float32 on Intel with AVX512-FP16, the A rows of
-    the LoRA call it makes itself), and the LoRA call made in its native call where it takes it."""
+    AVX512-BF16 without AMX, float32 on Zen 4 and 5; float32 on Intel with AVX512-FP16, the A
+    rows of the LoRA call it makes itself), and the LoRA call made in its native call where it
+    takes it."""
     plan = lora.plan(layer, modules)
     if plan is None:
         return NO_LORA
@@ -465,9 +466,9 @@ def _project(
     """projection(x), plus the LoRA deltas of its step's plan for the tokens whose adapter
     changes them: in the projection's own native call where it takes the LoRA call, else after
     it; the adapter rows brought into cache during the projection where it fetches (bfloat16 on
-    AVX512-BF16 without AMX, float32 on Zen 4), unless an earlier projection did (`fetched`). A
-    projection with no LoRA call of its own fetches `ahead` (where it fetches): a later one's
-    rows."""
+    AVX512-BF16 without AMX, float32 on Zen 4 and 5), unless an earlier projection did
+    (`fetched`). A projection with no LoRA call of its own fetches `ahead` (where it fetches): a
+    later one's rows."""
     if step.plan is None:
         return projection(x, ahead)
     fetch = None if fetched else step.fetch

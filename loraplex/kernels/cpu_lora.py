@@ -4,8 +4,8 @@ input, group of runs): q, k and v in one call, gate and up in one; the attention
 (`CpuAttentionKernel`: decode tokens, and in bfloat16 prompt tokens too) once per layer, as are
 the model's norms and rotary embedding (`CpuOps`); greedy sampling's argmax (`CpuArgmax`) once
 per step; on CPUs with AMX or AVX512-BF16, a bfloat16 decode step's dense projections
-(`CpuLinearBf16`; every product with AMX, in its FMA build and on Zen 4), and on Zen 4 and Intel
-with AVX-512 a float32 one's (`CpuLinearF32`), each making the LoRA call after it in the same
+(`CpuLinearBf16`; every product with AMX, in its FMA build and on Zen 4), and on Zen 4 and 5 and
+Intel with AVX-512 a float32 one's (`CpuLinearF32`), each making the LoRA call after it in the same
 native call and, but with AMX, bringing that call's adapter rows into cache while it computes
 (`Fetch`); where every projection of a step is native, its decoder layers in one call
 (`CpuDecoderLayers`).
@@ -108,6 +108,11 @@ def zen4() -> bool:
     info = cpu_info()
     amd_family_25 = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
     return amd_family_25 and "avx512f" in cpu_flags()
+
+
+def amd_avx512() -> bool:
+    """Whether the CPU is AMD's with AVX-512: Zen 4 (zen4) and Zen 5 (family 26)."""
+    return cpu_info().get("vendor_id") == "AuthenticAMD" and "avx512f" in cpu_flags()
 
 
 def intel_avx512() -> bool:
@@ -567,7 +572,12 @@ class CpuLinearF32(_NativeLinear):
     """float32 dense projections for decode steps (cpu/linear_f32.c), in the builds with
     AVX-512, where they were measured faster than oneDNN's (benchmarks/prompt_projection.py
     --dtype float32, SmolLM2's projections over 30 layers at 32 rows):
-    - on Zen 4 (zen4): 0.80x oneDNN's time; it fetches the LoRA call's rows meanwhile there;
+    - on AMD's with AVX-512 (amd_avx512), where it fetches the LoRA call's rows meanwhile: Zen 4,
+      0.80x oneDNN's time; Zen 5 (a 2-core EPYC, family 26, model 2), 0.78x at 32 rows and
+      0.80x at 64, and whole decode steps (benchmarks/projection_ab.py, medians of 30-40 rounds)
+      of 42.27 against oneDNN's 53.66 ms on 32 q,v adapters and 50.64 against 62.16 ms on 32
+      all-module ones, with the fetch; without it 43.03 and 51.75 ms, fetching the A rows alone
+      43.28 and 51.45 ms;
     - on Intel with AVX512-FP16 (intel_fp16; a 2-core Xeon, family 6, model 207): 0.78x; it fetches
       only the A rows of the LoRA call it makes itself there (fetches_shrinks), spread over the
       whole projection, ahead of the shrinks (in its second half when the figures here were taken;
@@ -595,9 +605,9 @@ class CpuLinearF32(_NativeLinear):
     dtype = torch.float32
 
     def __init__(self, lib: ctypes.CDLL, any_cpu: bool = False) -> None:
-        native = bool(lib.linear_native_f32()) and (any_cpu or zen4() or intel_avx512())
+        native = bool(lib.linear_native_f32()) and (any_cpu or amd_avx512() or intel_avx512())
         super().__init__(lib, native)
-        self.fetches = native and (any_cpu or zen4())
+        self.fetches = native and (any_cpu or amd_avx512())
         self.fetches_shrinks = native and not self.fetches and intel_fp16()
 
 
