@@ -181,8 +181,9 @@ def native_lm_head(dtype: torch.dtype) -> bool:
     against oneDNN's 2.09 ms on a 2-core Xeon; on Zen 4, 4.8 against 5.3 ms; in the FMA build
     347 against 215 GFLOP/s); not on Zen 5, where oneDNN streamed it faster. In float32 wherever
     the native float32 projection runs, as choose_linear finds (Zen 4: 10.1-12.8 against
-    oneDNN's 13.1-14.7 ms; a Xeon with AVX512-FP16: 10.9 against 13.9 ms; a Cascade Lake Xeon:
-    11.2 and 14.1 against 12.3 and 16.3 ms)."""
+    oneDNN's 13.1-14.7 ms; Zen 5: 4.39 against 5.41 ms, medians of 40 alternated; a Xeon with
+    AVX512-FP16: 10.9 against 13.9 ms; a Cascade Lake Xeon: 11.2 and 14.1 against 12.3 and 16.3
+    ms)."""
     if dtype == torch.float32:
         return True
     kernel = cpu_lora.load_linear()
