@@ -174,40 +174,31 @@ def choose_linear(weight: torch.Tensor):
     return kernel if kernel is not None and kernel.supports(weight.dtype) else None
 
 
-def native_lm_head(dtype: torch.dtype) -> bool:
-    """Whether the lm_head, one pass over a vocabulary of rows, takes the native projection for
-    decode steps as well. In bfloat16, where that takes every batch (CpuLinearBf16.any_rows), it
-    was measured faster at the lm_head too (SmolLM2's 49,152 x 576, 32 rows: with AMX 1.74
-    against oneDNN's 2.09 ms on a 2-core Xeon; on Zen 4, 4.8 against 5.3 ms; in the FMA build
-    347 against 215 GFLOP/s); not on Zen 5, where oneDNN streamed it faster. In float32 wherever
-    the native float32 projection runs, as choose_linear finds (Zen 4: 10.1-12.8 against
-    oneDNN's 13.1-14.7 ms; Zen 5: 4.39 against 5.41 ms, medians of 40 alternated; a Xeon with
-    AVX512-FP16: 10.9 against 13.9 ms; a Cascade Lake Xeon: 11.2 and 14.1 against 12.3 and 16.3
-    ms)."""
-    if dtype == torch.float32:
-        return True
-    kernel = cpu_lora.load_linear()
-    return dtype == torch.bfloat16 and kernel is not None and kernel.any_rows
-
-
 class Linear:
     """y = x W^T (+ b), with W stored however the device runs it fastest.
 
-    With `decode_kernel` and where choose_linear offers it, batches of up to
-    NATIVE_LINEAR_MAX_ROWS rows (decode steps; in bfloat16 any batch with AMX, in its FMA build
-    and on Zen 4, where it is as fast or faster for all) go through the native projection, which
-    makes the LoRA call after it in the same native call (`lora`) and, but with AMX, brings
-    that call's adapter rows into cache while it computes (`fetch`); this keeps a second copy of
-    W, packed for it, beside oneDNN's for larger batches, but where it takes every product and
-    keeps the one copy."""
+    Where choose_linear offers it, batches of up to NATIVE_LINEAR_MAX_ROWS rows (decode steps; in
+    bfloat16 any batch with AMX, in its FMA build and on Zen 4, where it is as fast or faster for
+    all) go through the native projection, which makes the LoRA call after it in the same native
+    call (`lora`) and, but with AMX, brings that call's adapter rows into cache while it computes
+    (`fetch`); this keeps a second copy of W, packed for it, beside oneDNN's for larger batches,
+    but where it takes every product and keeps the one copy.
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, decode_kernel: bool = True
-    ) -> None:
+    The lm_head, one pass over a vocabulary of rows, is such a projection too. At SmolLM2's 49,152
+    x 576 and 32 rows, against oneDNN's: bfloat16 with AMX 1.74 against 2.09 ms on a 2-core Xeon,
+    on Zen 4 4.8 against 5.3 ms, in the FMA build 347 against 215 GFLOP/s; on a 2-core Zen 5
+    (family 26, model 2) 2.78 against 3.39 ms, faster at every decode batch of 1-32 rows, and a
+    decode step of 32 sequences 1.03 ms shorter on the base model and 0.90 ms on 32 q,v adapters
+    (the two lm_heads swapped step by step, medians of 60), where an earlier Zen 5 had measured
+    oneDNN faster; float32 on Zen 4 10.1-12.8 against 13.1-14.7 ms, on Zen 5 4.39 against 5.41
+    ms, on a Xeon with AVX512-FP16 10.9 against 13.9 ms, on a Cascade Lake Xeon 11.2 and 14.1
+    against 12.3 and 16.3 ms."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias.contiguous() if bias is not None else None
         self.out_features, self.in_features = weight.shape
         self._packed = None
-        self._native = choose_linear(weight) if decode_kernel else None
+        self._native = choose_linear(weight)
         self._native_packed = self._native.pack(weight) if self._native is not None else None
         self.weight: torch.Tensor | None = weight
         # the native projection takes every product, of any shape (AMX, its FMA build)

@@ -19,7 +19,7 @@ from loraplex.engine.adapters.lora_batch import KernelLoRA, Modules, ProjectionL
 from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.device import Linear, choose_ops, native_lm_head
+from loraplex.engine.device import Linear, choose_ops
 from loraplex.engine.fetch_placement import FetchPlacement
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.kv_cache import KVCacheManager
@@ -69,7 +69,7 @@ class CausalLM:
         self.embed = weights.embed  # [vocab, hidden]
         self.layers = [Layer.from_weights(w) for w in weights.layers]
         self.final_norm = weights.final_norm
-        self.lm_head = Linear(weights.lm_head, decode_kernel=native_lm_head(weights.lm_head.dtype))
+        self.lm_head = Linear(weights.lm_head)
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
         self._ops = choose_ops(device, dtype)

@@ -131,7 +131,7 @@ def zen4_bf16() -> bool:
     SmolLM2's projections over 30 layers took 0.76-0.78x oneDNN's time at 32-33 rows and
     0.84-0.92x at 64-256 (benchmarks/prompt_projection.py), the lm_head's 49,152 x 576 at 32
     rows 4.8 against 5.3 ms. On Zen 5, oneDNN's kernels win past decode-sized batches (256 rows:
-    0.77x its speed) and at the lm_head."""
+    0.77x its speed)."""
     return zen4() and "avx512_bf16" in cpu_flags()
 
 

@@ -48,10 +48,10 @@ def test_auto_on_a_cpu_with_and_without_native_bfloat16(monkeypatch, native, exp
 def test_the_kernels_follow_the_cpu_model(monkeypatch, vendor, family, flags, fma_build, zen4, f32):
     """Which bfloat16 build and projection a CPU gets, from what /proc/cpuinfo reports: the FMA
     build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
-    vdpbf16ps CPUs the native projection for prompt chunks and the lm_head as well; and the
-    native float32 projection (where the library has it: AVX-512) on Zen 4 and Zen 5, fetching
-    the LoRA rows, and on Intel with AVX-512, since Sapphire Rapids fetching the A rows of the
-    LoRA call it makes, before it fetching nothing."""
+    vdpbf16ps CPUs the native projection for prompt chunks as well; and the native float32
+    projection (where the library has it: AVX-512) on Zen 4 and Zen 5, fetching the LoRA rows,
+    and on Intel with AVX-512, since Sapphire Rapids fetching the A rows of the LoRA call it
+    makes, before it fetching nothing."""
     # this machine's build, taken before the CPU is faked: library() keeps what it first builds
     # for the process, and a faked CPU would have it build (and keep) that CPU's
     lib = cpu_lora.library()
