@@ -103,16 +103,14 @@ def dpbf16_half_rate() -> bool:
     return intel and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
-def zen4() -> bool:
-    """Whether the CPU is AMD's Zen 4 (family 25 with AVX-512; Zen 3, also family 25, has none)."""
-    info = cpu_info()
-    amd_family_25 = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
-    return amd_family_25 and "avx512f" in cpu_flags()
-
-
 def amd_avx512() -> bool:
     """Whether the CPU is AMD's with AVX-512: Zen 4 (zen4) and Zen 5 (family 26)."""
     return cpu_info().get("vendor_id") == "AuthenticAMD" and "avx512f" in cpu_flags()
+
+
+def zen4() -> bool:
+    """Whether the CPU is AMD's Zen 4 (family 25 with AVX-512; Zen 3, also family 25, has none)."""
+    return amd_avx512() and cpu_info().get("cpu family") == "25"
 
 
 def intel_avx512() -> bool:

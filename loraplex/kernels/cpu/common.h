@@ -18,6 +18,23 @@
 #define MAX_RANK 1024
 #define MAX_MODULES 8
 
+/* NAME(x, a, n) = x . a over n elements for the plain builds (no AVX2), a's elements read as
+ * float by READ: eight sums in the source's order, which the compiler may run side by side but
+ * not reorder, then paired. An omp simd reduction's order is the compiler's, and may differ from
+ * one place it is inlined to another, so a sequence's attention could take other bits in
+ * another batch. */
+#define DEFINE_ORDERED_DOT(NAME, T, READ)                                                       \
+    static inline float NAME(const float *x, const T *a, int64_t n) {                          \
+        float acc[8] = {0.0f};                                                                  \
+        int64_t k = 0;                                                                          \
+        for (; k + 8 <= n; k += 8)                                                              \
+            for (int i = 0; i < 8; i++) acc[i] += x[k + i] * READ(a[k + i]);                    \
+        float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])); \
+        for (; k < n; k++) sum += x[k] * READ(a[k]);                                            \
+        return sum;                                                                             \
+    }
+#define AS_FLOAT(v) (v)
+
 /* float32 dot product, y += v * b and exp. GCC compiles ISO C without fused multiply-adds and
  * left the plain loops of the attention kernel scalar on AVX2, so where the target has AVX2 and
  * FMA they are written out, two accumulators for the dot product (with the attention changes
@@ -105,19 +122,12 @@ static inline float exp_shifted(float *x, int64_t n, float shift) {
     return total;
 }
 #else
+DEFINE_ORDERED_DOT(dot_f32_ordered, float, AS_FLOAT)
+
 static inline float dot_f32_ahead(const float *x, const float *a, int64_t n, const float *ahead) {
     if (ahead != NULL)
         for (int64_t k = 0; k < n; k += 16) __builtin_prefetch(ahead + k, 0, 3);
-    /* eight sums in the source's order, as the plain dot_bf16 below keeps them: an omp simd
-     * reduction's order is the compiler's, and may differ from one place it is inlined to
-     * another */
-    float acc[8] = {0.0f};
-    int64_t k = 0;
-    for (; k + 8 <= n; k += 8)
-        for (int i = 0; i < 8; i++) acc[i] += x[k + i] * a[k + i];
-    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; k < n; k++) sum += x[k] * a[k];
-    return sum;
+    return dot_f32_ordered(x, a, n);
 }
 
 static inline void axpy_f32_ahead(float *y, float v, const float *b, int64_t n,
@@ -221,16 +231,7 @@ static inline float dot_bf16(const float *x, const uint16_t *a, int64_t n) {
     return sum;
 }
 #else
-/* Eight sums in the source's order, which the compiler may run side by side but not reorder */
-static inline float dot_bf16(const float *x, const uint16_t *a, int64_t n) {
-    float acc[8] = {0.0f};
-    int64_t k = 0;
-    for (; k + 8 <= n; k += 8)
-        for (int i = 0; i < 8; i++) acc[i] += x[k + i] * bf16_to_f32(a[k + i]);
-    float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; k < n; k++) sum += x[k] * bf16_to_f32(a[k]);
-    return sum;
-}
+DEFINE_ORDERED_DOT(dot_bf16, uint16_t, bf16_to_f32)
 #endif
 
 /* element by element: no sum whose order the compiler could choose */
