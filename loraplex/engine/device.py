@@ -160,8 +160,8 @@ NATIVE_LINEAR_MAX_ROWS = 32
 
 def choose_linear(weight: torch.Tensor):
     """The native projection for a CPU weight, where it builds and runs natively for the weight's
-    dtype: bfloat16 on a CPU with AMX or AVX512-BF16 (cpu_lora.CpuLinearBf16), float32 on Zen 4
-    and 5 and Intel with AVX-512 (cpu_lora.CpuLinearF32); None elsewhere.
+    dtype: bfloat16 on a CPU with AMX or AVX512-BF16 (cpu_lora.CpuLinearBf16), float32 on AMD's
+    (Zen 3, 4 and 5) and Intel with AVX-512 (cpu_lora.CpuLinearF32); None elsewhere.
     LORAPLEX_ONEDNN_LINEAR=1 keeps oneDNN's alone."""
     if weight.device.type != "cpu" or os.environ.get("LORAPLEX_ONEDNN_LINEAR") == "1":
         return None
@@ -190,7 +190,8 @@ class Linear:
     (family 26, model 2) 2.78 against 3.39 ms, faster at every decode batch of 1-32 rows, and a
     decode step of 32 sequences 1.03 ms shorter on the base model and 0.90 ms on 32 q,v adapters
     (the two lm_heads swapped step by step, medians of 60), where an earlier Zen 5 had measured
-    oneDNN faster; float32 on Zen 4 10.1-12.8 against 13.1-14.7 ms, on Zen 5 4.39 against 5.41
+    oneDNN faster; float32 on a 2-core Zen 3 (family 25, model 1; AVX2) 19.9 against 23.2 ms
+    (8.6 against 10.3 at 1 row), on Zen 4 10.1-12.8 against 13.1-14.7 ms, on Zen 5 4.39 against 5.41
     ms, on a Xeon with AVX512-FP16 10.9 against 13.9 ms, on a Cascade Lake Xeon 11.2 and 14.1
     against 12.3 and 16.3 ms."""
 

@@ -103,9 +103,14 @@ def dpbf16_half_rate() -> bool:
     return intel and "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
+def amd() -> bool:
+    """Whether the CPU is AMD's."""
+    return cpu_info().get("vendor_id") == "AuthenticAMD"
+
+
 def amd_avx512() -> bool:
     """Whether the CPU is AMD's with AVX-512: Zen 4 (zen4) and Zen 5 (family 26)."""
-    return cpu_info().get("vendor_id") == "AuthenticAMD" and "avx512f" in cpu_flags()
+    return amd() and "avx512f" in cpu_flags()
 
 
 def zen4() -> bool:
@@ -568,9 +573,15 @@ class CpuLinearBf16(_NativeLinear):
 
 class CpuLinearF32(_NativeLinear):
     """float32 dense projections for decode steps (cpu/linear_f32.c), in the builds with
-    AVX-512, where they were measured faster than oneDNN's (benchmarks/prompt_projection.py
-    --dtype float32, SmolLM2's projections over 30 layers at 32 rows):
-    - on AMD's with AVX-512 (amd_avx512), where it fetches the LoRA call's rows meanwhile: Zen 4,
+    AVX-512 or AVX2 and FMA, where they were measured faster than oneDNN's
+    (benchmarks/prompt_projection.py --dtype float32, SmolLM2's projections over 30 layers at 32
+    rows):
+    - on AMD's (amd), where it fetches the LoRA call's rows meanwhile. Zen 3 (a 2-core EPYC,
+      family 25, model 1; the AVX2 build): 0.70x oneDNN's time at 32 rows, 0.80x at 64; whole
+      decode steps (benchmarks/projection_ab.py, medians of 30 rounds) of 170.8 against oneDNN's
+      232.1 ms on 32 q,v adapters and 202.5 against 270.1 ms on 32 all-module ones, with the
+      fetch; without it 172.0 and 208.5 ms, fetching the A rows alone 170.6 and 206.3 ms (Zen 2,
+      with the same two 256-bit FMA units a core, was not measured). Zen 4,
       0.80x oneDNN's time; Zen 5 (a 2-core EPYC, family 26, model 2), 0.78x at 32 rows and
       0.80x at 64, and whole decode steps (benchmarks/projection_ab.py, medians of 30-40 rounds)
       of 42.27 against oneDNN's 53.66 ms on 32 q,v adapters and 50.64 against 62.16 ms on 32
@@ -603,9 +614,9 @@ class CpuLinearF32(_NativeLinear):
     dtype = torch.float32
 
     def __init__(self, lib: ctypes.CDLL, any_cpu: bool = False) -> None:
-        native = bool(lib.linear_native_f32()) and (any_cpu or amd_avx512() or intel_avx512())
+        native = bool(lib.linear_native_f32()) and (any_cpu or amd() or intel_avx512())
         super().__init__(lib, native)
-        self.fetches = native and (any_cpu or amd_avx512())
+        self.fetches = native and (any_cpu or amd())
         self.fetches_shrinks = native and not self.fetches and intel_fp16()
 
 

@@ -34,7 +34,7 @@ def test_auto_on_a_cpu_with_and_without_native_bfloat16(monkeypatch, native, exp
     [
         ("AuthenticAMD", "25", "avx2 avx512f avx512_bf16", False, True, "fetching"),  # Zen 4
         ("AuthenticAMD", "26", "avx2 avx512f avx512_bf16", False, False, "fetching"),  # Zen 5
-        ("AuthenticAMD", "25", "avx2", False, False, None),  # Zen 3: family 25, no AVX-512
+        ("AuthenticAMD", "25", "avx2", False, False, "fetching"),  # Zen 3: no AVX-512
         # Intel: AVX-512 alone (Cascade Lake), AVX512-BF16 without AVX512-FP16 (Cooper Lake);
         # since Sapphire Rapids, without AMX (as a hypervisor may offer it) and with; AVX2 alone
         ("GenuineIntel", "6", "avx2 avx512f avx512_vnni", False, False, "own"),
@@ -49,9 +49,10 @@ def test_the_kernels_follow_the_cpu_model(monkeypatch, vendor, family, flags, fm
     """Which bfloat16 build and projection a CPU gets, from what /proc/cpuinfo reports: the FMA
     build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
     vdpbf16ps CPUs the native projection for prompt chunks as well; and the native float32
-    projection (where the library has it: AVX-512) on Zen 4 and Zen 5, fetching the LoRA rows,
-    and on Intel with AVX-512, since Sapphire Rapids fetching the A rows of the LoRA call it
-    makes, before it fetching nothing."""
+    projection (where the library has it: AVX-512, or AVX2 and FMA) on AMD's (Zen 3, 4 and 5),
+    fetching the LoRA rows, and on Intel with AVX-512, since Sapphire Rapids fetching the A rows
+    of the LoRA call it makes, before it fetching nothing; Intel's with AVX2 alone keep
+    oneDNN's."""
     # this machine's build, taken before the CPU is faked: library() keeps what it first builds
     # for the process, and a faked CPU would have it build (and keep) that CPU's
     lib = cpu_lora.library()

@@ -20,8 +20,8 @@ from loraplex.engine import device
 from loraplex.engine.adapters.lora_batch import TorchLoRA
 from loraplex.engine.workspace import Workspace
 from loraplex.kernels import cpu_lora
-from tests.factories import make_llm
-from tests.kernels.test_lora_kernels import other_bf16_flags
+from tests.factories import cpu_flags, make_llm
+from tests.kernels.test_lora_kernels import build_for, other_bf16_flags
 
 bf16_native = pytest.mark.skipif(
     device.choose_linear(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
@@ -54,14 +54,24 @@ def build(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def f32_kernel(monkeypatch) -> cpu_lora.CpuLinearF32:
-    """The float32 projection wherever the library has it (AVX-512), the engine's on Zen 4 and
-    put in its place elsewhere, so that its kernel is tested on any CPU that can run it."""
-    lib = cpu_lora.library()
+@pytest.fixture(scope="module", params=["native", "without AVX-512"])
+def f32_library(request, tmp_path_factory) -> ctypes.CDLL:
+    """The library with the float32 projection: the machine's build, and where that has
+    AVX-512, the AVX2 build too (its other tile)."""
+    if request.param != "native" and "avx512f" not in cpu_flags():
+        pytest.skip("the machine's own build is the AVX2 one")
+    lib = build_for(request.param, tmp_path_factory) or cpu_lora.library()
     if lib is None or not lib.linear_native_f32():
-        pytest.skip("the library has no float32 projection on this CPU (no AVX-512)")
-    kernel = cpu_lora.CpuLinearF32(lib, any_cpu=True)
+        pytest.skip("the library has no float32 projection on this CPU (no AVX2 and FMA)")
+    return lib
+
+
+@pytest.fixture
+def f32_kernel(monkeypatch, f32_library) -> cpu_lora.CpuLinearF32:
+    """The float32 projection wherever the library has it (AVX-512, or AVX2 and FMA), the
+    engine's on AMD's CPUs and put in its place elsewhere, so that its kernel is tested on any
+    CPU that can run it."""
+    kernel = cpu_lora.CpuLinearF32(f32_library, any_cpu=True)
     monkeypatch.setattr(
         device, "choose_linear", lambda weight: kernel if weight.dtype == torch.float32 else None
     )
