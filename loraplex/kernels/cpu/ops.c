@@ -146,6 +146,29 @@ static void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t i
 #else
 static inline float silu_f32(float g) { return g / (1.0f + expf(-g)); }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* float32 eight at a time, exp by exp8 (exp16's series: the same bits up to 88), infinity past
+ * 88 (exp8 clamps there), so that silu of a gate below -88 is -0, as torch's. Where each silu
+ * called expf, that was 5% of a float32 decode step's samples on a 2-core Zen 3 (family 25,
+ * model 1). */
+static void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t inter) {
+    const __m256 one = _mm256_set1_ps(1.0f), far = _mm256_set1_ps(88.0f);
+    int64_t k = 0;
+    for (; k + 8 <= inter; k += 8) {
+        const __m256 gate = _mm256_loadu_ps(g + k), minus = _mm256_sub_ps(_mm256_setzero_ps(), gate);
+        const __m256 e = _mm256_blendv_ps(exp8(minus), _mm256_set1_ps(INFINITY),
+                                          _mm256_cmp_ps(minus, far, _CMP_GT_OQ));
+        const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(silu, _mm256_loadu_ps(u + k)));
+    }
+    for (; k < inter; k++) o[k] = silu_f32(g[k]) * u[k];
+}
+#else
+static void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t inter) {
+    for (int64_t k = 0; k < inter; k++) o[k] = silu_f32(g[k]) * u[k];
+}
+#endif
+
 static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int64_t inter) {
     for (int64_t k = 0; k < inter; k++) {
         const float silu = bf16_to_f32(f32_to_bf16(silu_f32(bf16_to_f32(g[k]))));
@@ -153,9 +176,6 @@ static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
     }
 }
 
-static void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t inter) {
-    for (int64_t k = 0; k < inter; k++) o[k] = silu_f32(g[k]) * u[k];
-}
 #endif
 
 /* gate_up [n, rows stride apart] -> out [n, inter], a row at a time (the same in float32, whose
