@@ -4,8 +4,10 @@ product rounded once, whatever the shape (with AMX, input widths that are not a 
 end in a vdpbf16ps tail); decode-sized batches take it and larger ones oneDNN (or it too, with
 AMX and in the FMA build: rows 32 at a time), with the same results to a rounding step; and the
 adapter rows a fetching projection is asked to bring into cache are exactly those the LoRA call
-after it reads. float32 (the engine's on Zen 4, tested on any CPU with AVX-512): the product to
-float32's precision, and with its LoRA call in the same native call, the bits of the two apart."""
+after it reads. float32 (the engine's on AMD's CPUs and Intel's with AVX-512, tested on any CPU
+with AVX-512 or AVX2 and FMA, and where the machine's build has AVX-512, in the AVX2 build too):
+the product to float32's precision, and with its LoRA call in the same native call, the bits of
+the two apart."""
 
 from __future__ import annotations
 

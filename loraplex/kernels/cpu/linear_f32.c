@@ -67,6 +67,7 @@ static inline __m256i tail_mask8(int64_t left) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), lanes);
 }
 
+/* As the AVX-512 build's tile_f32, eight columns a vector */
 static inline __attribute__((always_inline)) void tile_f32(
     const float *x, int64_t x_stride, const int rows, int64_t k, const float *block,
     const float *bias, float *y, int64_t y_stride, int64_t cols, const char *fetch,
