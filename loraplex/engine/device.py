@@ -191,9 +191,9 @@ class Linear:
     decode step of 32 sequences 1.03 ms shorter on the base model and 0.90 ms on 32 q,v adapters
     (the two lm_heads swapped step by step, medians of 60), where an earlier Zen 5 had measured
     oneDNN faster; float32 on a 2-core Zen 3 (family 25, model 1; AVX2) 19.9 against 23.2 ms
-    (8.6 against 10.3 at 1 row), on Zen 4 10.1-12.8 against 13.1-14.7 ms, on Zen 5 4.39 against 5.41
-    ms, on a Xeon with AVX512-FP16 10.9 against 13.9 ms, on a Cascade Lake Xeon 11.2 and 14.1
-    against 12.3 and 16.3 ms."""
+    (8.6 against 10.3 at 1 row), on Zen 4 10.1-12.8 against 13.1-14.7 ms, on Zen 5 4.39 against
+    5.41 ms, on a Xeon with AVX512-FP16 10.9 against 13.9 ms, on a Cascade Lake Xeon 11.2 and
+    14.1 against 12.3 and 16.3 ms."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias.contiguous() if bias is not None else None

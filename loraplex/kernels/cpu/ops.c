@@ -155,7 +155,8 @@ static void silu_mul_row_f32(const float *g, const float *u, float *o, int64_t i
     const __m256 one = _mm256_set1_ps(1.0f), far = _mm256_set1_ps(88.0f);
     int64_t k = 0;
     for (; k + 8 <= inter; k += 8) {
-        const __m256 gate = _mm256_loadu_ps(g + k), minus = _mm256_sub_ps(_mm256_setzero_ps(), gate);
+        const __m256 gate = _mm256_loadu_ps(g + k);
+        const __m256 minus = _mm256_sub_ps(_mm256_setzero_ps(), gate);
         const __m256 e = _mm256_blendv_ps(exp8(minus), _mm256_set1_ps(INFINITY),
                                           _mm256_cmp_ps(minus, far, _CMP_GT_OQ));
         const __m256 silu = _mm256_div_ps(gate, _mm256_add_ps(one, e));
