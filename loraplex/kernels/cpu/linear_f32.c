@@ -20,39 +20,23 @@
  * 33-256 rows by the best of 7, but 1.08-1.13x at 256 by the median of 15, so prompt chunks keep
  * oneDNN's (and its copy of W). The AVX2 build's tiles are narrower (below): on a 2-core Zen 3
  * (family 25, model 1), 74.4 against oneDNN's 105.7 ms at 32 rows (0.70x), 0.80x at 64. */
+
+/* The vectors a tile works in, by build: F32_LANES floats each; a tail's mask (the lanes before
+ * `left`), and loads and stores of those lanes alone. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define F32_COLS 96
 #define F32_ROWS 4
-
-/* Rows x[0 .. rows) of one block: y[i][0 .. cols) = x[i] . W's columns (+ bias). `fetch` .. 
- * `fetch_end`: the thread's next block, `pace` lines a step of k; `extra`: the call's ranges. */
-static inline __attribute__((always_inline)) void tile_f32(
-    const float *x, int64_t x_stride, const int rows, int64_t k, const float *block,
-    const float *bias, float *y, int64_t y_stride, int64_t cols, const char *fetch,
-    const char *fetch_end, int64_t pace, Ranges *extra) {
-    __m512 acc[F32_ROWS][6];
-    for (int i = 0; i < F32_ROWS; i++)
-        for (int c = 0; c < 6; c++) acc[i][c] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < k; p++) {
-        const float *w = block + p * F32_COLS;
-        __m512 wv[6];
-        for (int c = 0; c < 6; c++) wv[c] = _mm512_loadu_ps(w + c * 16);
-        for (int64_t f = 0; f < pace && fetch < fetch_end; f++, fetch += 64)
-            __builtin_prefetch(fetch, 0, 2);
-        fetch_ranges(extra);
-        for (int i = 0; i < rows; i++) {
-            const __m512 xv = _mm512_set1_ps(x[i * x_stride + p]);
-            for (int c = 0; c < 6; c++) acc[i][c] = _mm512_fmadd_ps(xv, wv[c], acc[i][c]);
-        }
-    }
-    for (int c = 0; c < 6 && c * 16 < cols; c++) {
-        const __mmask16 m = tail_mask(cols - c * 16);
-        const __m512 b =
-            bias != NULL ? _mm512_maskz_loadu_ps(m, bias + c * 16) : _mm512_setzero_ps();
-        for (int i = 0; i < rows; i++)
-            _mm512_mask_storeu_ps(y + i * y_stride + c * 16, m, _mm512_add_ps(acc[i][c], b));
-    }
-}
+#define F32_LANES 16
+typedef __m512 F32Vec;
+typedef __mmask16 F32Tail;
+static inline F32Vec vec_zero(void) { return _mm512_setzero_ps(); }
+static inline F32Vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline F32Vec vec_broadcast(const float *p) { return _mm512_set1_ps(*p); }
+static inline F32Vec vec_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline F32Vec vec_add(F32Vec a, F32Vec b) { return _mm512_add_ps(a, b); }
+static inline F32Tail vec_tail(int64_t left) { return tail_mask(left); }
+static inline F32Vec vec_load_tail(const float *p, F32Tail m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void vec_store_tail(float *p, F32Tail m, F32Vec v) { _mm512_mask_storeu_ps(p, m, v); }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2's 16 registers: a tile of F32_ROWS rows by a block of 24 columns keeps its 12 sums in
@@ -60,43 +44,54 @@ static inline __attribute__((always_inline)) void tile_f32(
  * and 4 broadcasts for 12 FMAs. */
 #define F32_COLS 24
 #define F32_ROWS 4
-
-/* lanes 0 .. left of 8 set */
-static inline __m256i tail_mask8(int64_t left) {
+#define F32_LANES 8
+typedef __m256 F32Vec;
+typedef __m256i F32Tail;
+static inline F32Vec vec_zero(void) { return _mm256_setzero_ps(); }
+static inline F32Vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline F32Vec vec_broadcast(const float *p) { return _mm256_broadcast_ss(p); }
+static inline F32Vec vec_fma(F32Vec a, F32Vec b, F32Vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline F32Vec vec_add(F32Vec a, F32Vec b) { return _mm256_add_ps(a, b); }
+static inline F32Tail vec_tail(int64_t left) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), lanes);
 }
+static inline F32Vec vec_load_tail(const float *p, F32Tail m) { return _mm256_maskload_ps(p, m); }
+static inline void vec_store_tail(float *p, F32Tail m, F32Vec v) { _mm256_maskstore_ps(p, m, v); }
+#endif
 
-/* As the AVX-512 build's tile_f32, eight columns a vector */
+#if defined(F32_COLS)
+#define F32_VECS (F32_COLS / F32_LANES)
+
+/* Rows x[0 .. rows) of one block: y[i][0 .. cols) = x[i] . W's columns (+ bias). `fetch` ..
+ * `fetch_end`: the thread's next block, `pace` lines a step of k; `extra`: the call's ranges. */
 static inline __attribute__((always_inline)) void tile_f32(
     const float *x, int64_t x_stride, const int rows, int64_t k, const float *block,
     const float *bias, float *y, int64_t y_stride, int64_t cols, const char *fetch,
     const char *fetch_end, int64_t pace, Ranges *extra) {
-    __m256 acc[F32_ROWS][3];
+    F32Vec acc[F32_ROWS][F32_VECS];
     for (int i = 0; i < F32_ROWS; i++)
-        for (int c = 0; c < 3; c++) acc[i][c] = _mm256_setzero_ps();
+        for (int c = 0; c < F32_VECS; c++) acc[i][c] = vec_zero();
     for (int64_t p = 0; p < k; p++) {
         const float *w = block + p * F32_COLS;
-        __m256 wv[3];
-        for (int c = 0; c < 3; c++) wv[c] = _mm256_loadu_ps(w + c * 8);
+        F32Vec wv[F32_VECS];
+        for (int c = 0; c < F32_VECS; c++) wv[c] = vec_load(w + c * F32_LANES);
         for (int64_t f = 0; f < pace && fetch < fetch_end; f++, fetch += 64)
             __builtin_prefetch(fetch, 0, 2);
         fetch_ranges(extra);
         for (int i = 0; i < rows; i++) {
-            const __m256 xv = _mm256_broadcast_ss(x + i * x_stride + p);
-            for (int c = 0; c < 3; c++) acc[i][c] = _mm256_fmadd_ps(xv, wv[c], acc[i][c]);
+            const F32Vec xv = vec_broadcast(x + i * x_stride + p);
+            for (int c = 0; c < F32_VECS; c++) acc[i][c] = vec_fma(xv, wv[c], acc[i][c]);
         }
     }
-    for (int c = 0; c < 3 && c * 8 < cols; c++) {
-        const __m256i m = tail_mask8(cols - c * 8);
-        const __m256 b = bias != NULL ? _mm256_maskload_ps(bias + c * 8, m) : _mm256_setzero_ps();
+    for (int c = 0; c < F32_VECS && c * F32_LANES < cols; c++) {
+        const F32Tail m = vec_tail(cols - c * F32_LANES);
+        const F32Vec b = bias != NULL ? vec_load_tail(bias + c * F32_LANES, m) : vec_zero();
         for (int i = 0; i < rows; i++)
-            _mm256_maskstore_ps(y + i * y_stride + c * 8, m, _mm256_add_ps(acc[i][c], b));
+            vec_store_tail(y + i * y_stride + c * F32_LANES, m, vec_add(acc[i][c], b));
     }
 }
-#endif
 
-#if defined(F32_COLS)
 int linear_native_f32(void) { return 1; }
 
 /* A projection's arguments, as linear_bf16's (linear.c) in float32 */
