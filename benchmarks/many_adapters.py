@@ -10,7 +10,9 @@ host cache that holds about a quarter of them, so most requests load their adapt
 (the page cache) and evict another. The two runs alternate for `--rounds` rounds, each on a fresh
 engine, so that the box's drift (other tenants of a shared host moved one run by 15% between
 minutes) falls on both alike. Prints tokens/s of every run, each round's ratio and their median
-(target >= 0.8x), the adapter loads and evictions, and the load latency.
+(target >= 0.8x), the adapter loads and evictions, how long a read from disk took (on the
+adapter-read thread, its CPU priority lowered: async_engine.ADAPTER_READ_NICENESS) and a load
+into the pool, and the requests' time to first token (p50, p90).
 """
 
 from __future__ import annotations
@@ -33,17 +35,21 @@ async def run(config, prompts, loras, in_flight: int, new_tokens: int) -> dict:
     engine = AsyncEngine(config)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     jobs = list(zip(prompts, loras, strict=True))
-    generated = 0
+    generated, first_token = 0, []
 
     async def worker(queue: list) -> None:
         nonlocal generated
         while queue:
             prompt, lora = queue.pop()
+            asked = time.perf_counter()
             async for delta in engine.generate(prompt, params, lora=lora):
+                if asked is not None and any(out.token_ids for out in delta.outputs):
+                    first_token.append(time.perf_counter() - asked)
+                    asked = None
                 generated += sum(len(out.token_ids) for out in delta.outputs)
 
     await worker(jobs[:2])  # warm up (first step, first loads)
-    generated = 0
+    generated, first_token = 0, []
     before = engine.stats()
     queue = jobs[2:][::-1]
     started = time.perf_counter()
@@ -52,11 +58,16 @@ async def run(config, prompts, loras, in_flight: int, new_tokens: int) -> dict:
     after = engine.stats()
     engine.shutdown()
     loads = after.num_adapter_loads - before.num_adapter_loads
+    reads = after.num_adapter_disk_reads - before.num_adapter_disk_reads
+    read_seconds = after.adapter_disk_read_seconds - before.adapter_disk_read_seconds
+    first_token.sort()
     return {
         "tok_s": generated / seconds,
         "loads": loads,
         "evictions": after.num_adapter_evictions - before.num_adapter_evictions,
-        "disk_reads": after.num_adapter_disk_reads - before.num_adapter_disk_reads,
+        "disk_reads": reads,
+        "read_ms": read_seconds / max(reads, 1) * 1e3,
+        "ttft_ms": [first_token[int(q * (len(first_token) - 1))] * 1e3 for q in (0.5, 0.9)],
         "load_ms": (after.adapter_load_seconds - before.adapter_load_seconds) / max(loads, 1) * 1e3,
     }
 
@@ -130,8 +141,9 @@ def main() -> None:
         for count, r in results.items():
             print(
                 f"  round {i}, {count:5d} adapters: {r['tok_s']:7.1f} tok/s; {r['loads']} loads, "
-                f"{r['evictions']} evictions, {r['disk_reads']} read from disk, "
-                f"{r['load_ms']:.1f} ms per load into the pool"
+                f"{r['evictions']} evictions, {r['disk_reads']} read from disk "
+                f"({r['read_ms']:.1f} ms a read), {r['load_ms']:.1f} ms per load into the pool; "
+                f"first token p50 {r['ttft_ms'][0]:.0f} ms, p90 {r['ttft_ms'][1]:.0f} ms"
             )
         ratios.append(results[args.adapters]["tok_s"] / results[8]["tok_s"])
     print(
