@@ -10,9 +10,11 @@ host cache that holds about a quarter of them, so most requests load their adapt
 (the page cache) and evict another. The two runs alternate for `--rounds` rounds, each on a fresh
 engine, so that the box's drift (other tenants of a shared host moved one run by 15% between
 minutes) falls on both alike. Prints tokens/s of every run, each round's ratio and their median
-(target >= 0.8x), the adapter loads and evictions, how long a read from disk took (on the
-adapter-read thread, its CPU priority lowered: async_engine.ADAPTER_READ_NICENESS) and a load
-into the pool, and the requests' time to first token (p50, p90).
+(target >= 0.8x), the adapter loads and evictions, how long a read from disk (wall time, on a
+worker thread) and a load into the pool took, and the requests' time to first token (p50, p90).
+The ratio of one run moves a lot from minute to minute on a shared 2-core host (0.82x to 0.89x
+for the same code on a Zen 4 VM within the hour): compare changes by alternating them in one
+process, round by round, not run against run.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@
 
 Requests, aborts and adapter operations cross into the loop through a queue; deltas and results
 come back to each caller's event loop thread-safely. The engine thread is the only one touching
-engine state, and it never reads from disk: tokenizing happens on worker threads, and reading,
-validating and laying out adapters on a thread of its own at a lower CPU priority (see
-ADAPTER_READ_NICENESS), all off the event loop too.
+engine state, and it never reads from disk: tokenizing, reading and validating adapters happen on
+worker threads, off the event loop too.
 
 Which call raises what (all are EngineError subclasses, each with a `code`):
 
@@ -34,15 +33,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from loraplex.engine.adapters.catalog import AdapterRef
 from loraplex.engine.adapters.manager import PoolSnapshot
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine import LLMEngine, LoRARequest
@@ -67,17 +63,6 @@ logger = logging.getLogger(__name__)
 QUICK_PROMPT_TOKENS = 2048  # checked on the caller's thread up to this length
 # how long an interactive request on its way in holds back steps of background work only
 HOLD_SECONDS = 0.05
-# How much lower the adapter-read thread's CPU priority is than the rest of the process (its
-# nice value; Linux). A read from disk hashes, validates and lays out a few MB: 6-11 ms of CPU
-# for a rank-16 q,v adapter of SmolLM2. On the default worker threads, several at once, reads
-# took cores from the engine's step threads in the middle of their parallel regions, where one
-# thread held up stalls the other: a ms of reading cost the steps about 3.7 ms. On one thread
-# of their own at this priority they run mostly where a core would idle, a read a few ms
-# longer. benchmarks/many_adapters.py (1,000 adapters against 8, 226 of 256 requests reading
-# theirs from disk; bfloat16, 2-core Zen 4): 0.82x on the default threads, 0.83x on one thread
-# at the process's priority, 0.90x at nice +10 (first token p50 361-373 against 383-400 ms,
-# a read 17 against 10-14 ms), 0.91x at +19 (first token p50 411-618 ms).
-ADAPTER_READ_NICENESS = 10
 
 
 @dataclass
@@ -109,9 +94,6 @@ class AsyncEngine(FrontMethods):
         self._closed = False  # the engine thread has stopped taking work
         self._dead: EngineDeadError | None = None
         self._admitted: set[str] = set()  # requests the engine took and has not finished
-        self._adapter_reads = concurrent.futures.ThreadPoolExecutor(
-            1, "loraplex-adapter-read", _lower_priority, (ADAPTER_READ_NICENESS,)
-        )
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -167,28 +149,20 @@ class AsyncEngine(FrontMethods):
                 self._stop_waiting()
 
     async def _make_request(self, prompt, params, request_id, lora, tag, fairness):
-        """An adapter not in host memory read first, on the adapter-read thread; then the rest
-        on a worker thread, unless it is quick: token ids (no tokenizing) are checked on the
-        spot, sparing a thread hop."""
+        """On a worker thread, unless it is quick: token ids (no tokenizing) and an adapter
+        already in host memory (no disk read) are checked on the spot, sparing a thread hop."""
         adapter = self._engine.catalog.cached(lora.adapter_id, lora.path) if lora else None
-        if lora is not None and adapter is None:
-            adapter = await self._read_adapter(lora)
         quick = isinstance(prompt, list) and len(prompt) <= QUICK_PROMPT_TOKENS
         constraint = params.structured_outputs if isinstance(params, SamplingParams) else None
         if constraint is not None:  # a compile may take long: not on the event loop
             quick = quick and self._engine.is_compiled(constraint)
-        if quick:
+        if quick and (lora is None or adapter is not None):
             return self._engine.make_request(
                 prompt, params, request_id, lora, tag, adapter, fairness
             )
         return await asyncio.to_thread(
-            self._engine.make_request, prompt, params, request_id, lora, tag, adapter, fairness
+            self._engine.make_request, prompt, params, request_id, lora, tag, None, fairness
         )
-
-    async def _read_adapter(self, lora: LoRARequest) -> AdapterRef:
-        """The adapter's host copy (engine.read_adapter), on the adapter-read thread."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._adapter_reads, self._engine.read_adapter, lora)
 
     def _admit(self) -> None:
         with self._lock:
@@ -232,13 +206,12 @@ class AsyncEngine(FrontMethods):
     async def load_adapter(self, lora: LoRARequest, pin: bool = False) -> None:
         """Read and validate the adapter, and bring it into the pool if there is room (always,
         when pinned)."""
-        ref = await self._read_adapter(lora)
+        ref = await asyncio.to_thread(self._engine.catalog.get, lora.adapter_id, lora.path)
         await self._on_engine_thread(self._engine.load_adapter_ref, ref, pin)
 
     async def validate_adapter(self, lora: LoRARequest) -> AdapterInfo:
-        """Read and check the adapter (on the adapter-read thread); changes nothing."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._adapter_reads, self._engine.validate_adapter, lora)
+        """Read and check the adapter; changes nothing."""
+        return await asyncio.to_thread(self._engine.validate_adapter, lora)
 
     async def unpin_adapter(self, adapter_id: str) -> None:
         await self._on_engine_thread(self._engine.unpin_adapter, adapter_id)
@@ -435,16 +408,3 @@ class AsyncEngine(FrontMethods):
                 logger.exception("aborting request %s failed", request_id)
             self._deliver(request_id, fresh(error))
         self._admitted.clear()
-
-
-def _lower_priority(niceness: int) -> None:
-    """Lower the calling thread's CPU priority by `niceness` (Linux, where each thread has a
-    nice value of its own; elsewhere nothing)."""
-    if not sys.platform.startswith("linux") or niceness <= 0:
-        return
-    thread = threading.get_native_id()
-    try:
-        now = os.getpriority(os.PRIO_PROCESS, thread)
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, now + niceness))
-    except OSError:  # not allowed here: the thread keeps the process's priority
-        pass

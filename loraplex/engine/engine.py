@@ -381,14 +381,6 @@ class LLMEngine:
         always, when pinned). Raises AdapterError naming the problem."""
         self.load_adapter_ref(self.catalog.get(lora.adapter_id, lora.path), pin)
 
-    def read_adapter(self, lora: LoRARequest) -> AdapterRef:
-        """The adapter's host copy, read from disk and validated unless cached, and laid out
-        for the pool (what `make_request` and `load_adapter_ref` then take without a disk
-        access or a pack). Raises AdapterError. Any thread but the engine's."""
-        ref = self.catalog.get(lora.adapter_id, lora.path)
-        self.adapters.pack(ref.weights)
-        return ref
-
     def load_adapter_ref(self, ref: AdapterRef, pin: bool = False) -> None:
         """`load_adapter` for an adapter already read (no disk access: the engine thread's)."""
         if pin:

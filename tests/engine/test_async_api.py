@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import shutil
-import sys
 import threading
 import time
 
@@ -28,7 +26,6 @@ from loraplex.engine.api import (
     RequestFailedError,
     SamplingParams,
 )
-from loraplex.engine.async_engine import ADAPTER_READ_NICENESS
 from loraplex.engine.config import ModelConfig
 from tests.factories import build_adapter, make_llm, poison_adapter, wedged
 
@@ -229,17 +226,12 @@ def test_shutdown_drains_within_the_grace_then_fails_the_rest(tiny_llama):
     assert took < 5
 
 
-def test_adapters_are_read_on_their_own_thread_below_the_engines_priority(
-    tiny_llama, tiny_adapters, monkeypatch
-):
-    """Never on the engine thread (nor the event loop), and, on Linux, at a lower CPU priority
-    than the process's, so that a read from disk does not take a core from a step."""
+def test_adapters_are_never_read_on_the_engine_thread(tiny_llama, tiny_adapters, monkeypatch):
     threads = []
     real_read = catalog_module.load_peft_adapter
 
     def recording_read(*args, **kwargs):
-        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        threads.append((threading.current_thread().name, nice))
+        threads.append(threading.current_thread().name)
         return real_read(*args, **kwargs)
 
     monkeypatch.setattr(catalog_module, "load_peft_adapter", recording_read)
@@ -251,17 +243,11 @@ def test_adapters_are_read_on_their_own_thread_below_the_engines_priority(
             await asyncio.gather(*(engine.load_adapter(lora) for lora in loras))
             await asyncio.gather(*(collect(engine, "the river", lora=lora) for lora in loras))
 
-        await engine.validate_adapter(loras[0])
-
     try:
         asyncio.run(main())
     finally:
         engine.shutdown()
-    assert len(threads) >= 2 * len(tiny_adapters) + 1
-    assert {name.split("_")[0] for name, _ in threads} == {"loraplex-adapter-read"}
-    if sys.platform.startswith("linux"):
-        expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + ADAPTER_READ_NICENESS)
-        assert {nice for _, nice in threads} == {expected}
+    assert threads and "loraplex-engine" not in threads
 
 
 def test_a_failed_step_ends_every_stream(tiny_llama):
