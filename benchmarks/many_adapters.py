@@ -12,9 +12,9 @@ engine, so that the box's drift (other tenants of a shared host moved one run by
 minutes) falls on both alike. Prints tokens/s of every run, each round's ratio and their median
 (target >= 0.8x), the adapter loads and evictions, how long a read from disk (wall time, on a
 worker thread) and a load into the pool took, and the requests' time to first token (p50, p90).
-The ratio of one run moves a lot from minute to minute on a shared 2-core host (0.82x to 0.89x
-for the same code on a Zen 4 VM within the hour): compare changes by alternating them in one
-process, round by round, not run against run.
+The ratio of one run moves a lot on a shared 2-core host (0.82x and 0.89x for the same code on a
+Zen 4 VM, 80 minutes apart): compare changes by alternating them in one process, round by round,
+not run against run.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from engine_throughput import make_prompts
+from engine_throughput import make_prompts, percentile
 
 
 async def run(config, prompts, loras, in_flight: int, new_tokens: int) -> dict:
@@ -69,7 +69,7 @@ async def run(config, prompts, loras, in_flight: int, new_tokens: int) -> dict:
         "evictions": after.num_adapter_evictions - before.num_adapter_evictions,
         "disk_reads": reads,
         "read_ms": read_seconds / max(reads, 1) * 1e3,
-        "ttft_ms": [first_token[int(q * (len(first_token) - 1))] * 1e3 for q in (0.5, 0.9)],
+        "ttft_ms": [percentile(first_token, q) * 1e3 for q in (0.5, 0.9)],
         "load_ms": (after.adapter_load_seconds - before.adapter_load_seconds) / max(loads, 1) * 1e3,
     }
 
