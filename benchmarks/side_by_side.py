@@ -54,6 +54,31 @@ def prompt_sets(prompts: list[list[int]], requests: int) -> dict:
     }
 
 
+def workload(args) -> tuple[Path, object, dict]:
+    """The model of `args.model`, its config, and the prompt sets (prompt_sets) of
+    `args.rounds` rounds of `args.requests` prompts of `args.prompt_tokens` tokens."""
+    from loraplex.engine.config import ModelConfig
+    from loraplex.engine.default_model import resolve_model
+    from loraplex.engine.tokenizer import TokenizerWrapper
+
+    model_dir = resolve_model(args.model)
+    count = args.requests * (2 * args.rounds + 1)
+    prompts = make_prompts(TokenizerWrapper(model_dir), count, args.prompt_tokens)
+    return model_dir, ModelConfig.from_dir(model_dir), prompt_sets(prompts, args.requests)
+
+
+def random_adapters(folder: Path, config, count: int, rank: int, modules) -> tuple[list, list]:
+    """`count` random PEFT adapters of `rank` on `modules` in `folder`: their folders and the
+    LoRARequests naming them a0, a1, ..."""
+    from loraplex import LoRARequest
+    from loraplex.engine.adapters.peft_format import random_peft_adapter
+
+    dirs = [
+        random_peft_adapter(folder / f"a{i}", config, rank, modules, seed=i) for i in range(count)
+    ]
+    return dirs, [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
+
+
 def run_loraplex(model_dir, dtype, sets: dict, loras, new_tokens) -> dict:
     from loraplex import LLM
 
@@ -155,29 +180,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from loraplex import LoRARequest
-    from loraplex.engine.adapters.peft_format import random_peft_adapter
-    from loraplex.engine.config import ModelConfig
-    from loraplex.engine.default_model import resolve_model
     from loraplex.engine.device import cpu_has_native_bf16
-    from loraplex.engine.tokenizer import TokenizerWrapper
 
-    model_dir = resolve_model(args.model)
-    config = ModelConfig.from_dir(model_dir)
-    count = args.requests * (2 * args.rounds + 1)
-    prompts = make_prompts(TokenizerWrapper(model_dir), count, args.prompt_tokens)
-    sets = prompt_sets(prompts, args.requests)
+    model_dir, config, sets = workload(args)
     prompts = sets["warmup"]  # for the latencies and PEFT
     modules = tuple(args.modules.split(","))
     dtypes = args.dtypes.split(",")
     rows: dict[str, dict | str] = {}
     lat: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = [
-            random_peft_adapter(Path(tmp) / f"a{i}", config, args.rank, modules, seed=i)
-            for i in range(args.requests)
-        ]
-        loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
+        dirs, loras = random_adapters(Path(tmp), config, args.requests, args.rank, modules)
         for dtype in dtypes:
             rows[f"loraplex {dtype}"] = run_loraplex(model_dir, dtype, sets, loras, args.new_tokens)
             lat[dtype] = asyncio.run(latencies(model_dir, dtype, prompts, loras, args.new_tokens))

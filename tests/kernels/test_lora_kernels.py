@@ -399,8 +399,9 @@ def avx2_kernel(tmp_path_factory):
 @pytest.mark.parametrize("ranks", [[16, 16], [1, 3, 5]], ids=["rank 16", "ranks 1, 3, 5"])
 def test_float32_gives_the_same_bits_with_and_without_avx512(fin, fout, ranks, avx2_kernel):
     """The AVX-512 float32 call, four A rows and every B row at once, sums each output in the
-    order of the AVX2 build's row after row: both give the same bits, at widths with and without
-    vector tails, so float32's token identity to PEFT does not depend on the CPU's vectors."""
+    order of the AVX2 build (four A rows at once too, each summed as dot_f32_ahead does; B row
+    after row): both give the same bits, at widths with and without vector tails, so float32's
+    token identity to PEFT does not depend on the CPU's vectors."""
     x, y, pool, a_off, b_off, ranks_t, scales, segments = random_case(
         3, ranks, [1, 2, 1, 3], 1, torch.float32, in_features=fin, out_features=fout
     )

@@ -101,6 +101,51 @@ static inline void expand_f32(float *y, const float *v, const float *pool, const
     }
 }
 
+#define SHRINK_FOUR
+#elif defined(__AVX2__) && defined(__FMA__)
+/* With AVX2 a token's A rows go four at a time too: eight sums in flight, where dot_f32_ahead
+ * kept two waiting on each FMA's latency, and four rows streaming at once. Each sum is
+ * dot_f32_ahead's, in its order, so the bits are its own; the next token's rows into L1, as it
+ * brings them. Its B rows stay row after row (axpy_f32_ahead): y held in registers while every
+ * row is added in, as the AVX-512 expand does, measured slower here. On a 2-core Zen 3 (family
+ * 25, model 1), 32 sequences on 32 rank-16 adapters, the builds swapped step by step
+ * (benchmarks/kernel_ab.py --dtype float32, paired medians of 120): all-module extra over base
+ * -3.52, -4.53 and -3.65 ms a step (of 43-46), q,v +0.44 and -0.77 ms (of 8.7-10.0), the same
+ * tokens and logprobs to the bit; with y in 8 registers as well, all-module +0.56 and +1.56 ms,
+ * q,v -1.69 ms; in 4, all-module -0.65 ms, q,v +0.06 ms. */
+static inline void shrink4_f32(const float *x, const float *const *rows,
+                               const float *const *ahead, int64_t n, float out[4]) {
+    __m256 lo[4], hi[4]; /* dot_f32_ahead's acc0 and acc1 of each row */
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            if (ahead != NULL) __builtin_prefetch(ahead[i] + k, 0, 3);
+            lo[i] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(rows[i] + k), lo[i]);
+            hi[i] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(rows[i] + k + 8), hi[i]);
+        }
+    }
+    if (k + 8 <= n) {
+        const __m256 x0 = _mm256_loadu_ps(x + k);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            lo[i] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(rows[i] + k), lo[i]);
+        k += 8;
+    }
+    for (int i = 0; i < 4; i++) {
+        if (ahead != NULL && k < n) __builtin_prefetch(ahead[i] + k, 0, 3);
+        float sum = hsum8(_mm256_add_ps(lo[i], hi[i]));
+        for (int64_t e = k; e < n; e++) sum += x[e] * rows[i][e];
+        out[i] = sum;
+    }
+}
+#define SHRINK_FOUR
+#endif
+
+#if defined(SHRINK_FOUR)
 /* v[j] = x . A row j, j < r */
 static inline void shrink_f32(const float *x, const float *pool, const int64_t *rows,
                               const int64_t *ahead, int64_t r, int64_t n, float *v) {
@@ -122,7 +167,9 @@ static inline void shrink_f32(const float *x, const float *pool, const int64_t *
     for (int64_t j = 0; j < r; j++)
         v[j] = dot_f32_ahead(x, pool + rows[j], n, ahead != NULL ? pool + ahead[j] : NULL);
 }
+#endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512DQ__))
 static inline void expand_f32(float *y, const float *v, const float *pool, const int64_t *rows,
                               const int64_t *ahead, int64_t r, int64_t n) {
     for (int64_t j = 0; j < r; j++)
