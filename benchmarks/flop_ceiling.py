@@ -101,15 +101,12 @@ def fma_peak(threads: int, folder: Path, tries: int = 5) -> float:
     return max(lib.fma_peak(100_000_000, threads) for _ in range(tries))
 
 
-def lora_flops(config, tokens: int, rank: int) -> float:
-    """The shrink and expand of rank-`rank` adapters on all seven projections, `tokens` tokens."""
-    c = config
-    h, inter = c.hidden_size, c.intermediate_size
-    sides = (  # (inputs, outputs) of q, k, v, o, gate, up, down
-        (h, c.q_size), (h, c.kv_size), (h, c.kv_size), (c.q_size, h),
-        (h, inter), (h, inter), (inter, h),
-    )  # fmt: skip
-    return 2.0 * rank * sum(i + o for i, o in sides) * c.num_layers * tokens
+def lora_flops(config, tokens: int, rank: int, modules) -> float:
+    """The shrink and expand of rank-`rank` adapters on `modules`, `tokens` tokens."""
+    from loraplex.engine.adapters.peft_format import module_shape
+
+    sides = sum(sum(module_shape(config, module)) for module in modules)
+    return 2.0 * rank * sides * config.num_layers * tokens
 
 
 def main() -> None:
@@ -132,9 +129,9 @@ def main() -> None:
     # every position but each request's last token goes through the model
     positions = len(batch) * (args.prompt_tokens + args.new_tokens - 1)
     base = model_flops(config, batch, args.new_tokens)
-    lora = lora_flops(config, positions, args.rank)
-    generated = args.requests * args.new_tokens
     modules = tuple(ALL_MODULES.split(","))
+    lora = lora_flops(config, positions, args.rank, modules)
+    generated = args.requests * args.new_tokens
     with tempfile.TemporaryDirectory() as tmp:
         one, peak = fma_peak(1, Path(tmp)), fma_peak(args.threads, Path(tmp))
         dirs, loras = random_adapters(Path(tmp), config, args.requests, args.rank, modules)

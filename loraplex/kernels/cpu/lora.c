@@ -101,7 +101,8 @@ static inline void expand_f32(float *y, const float *v, const float *pool, const
     }
 }
 
-#define SHRINK_FOUR
+#define SHRINK_FOUR    /* shrink_f32 below takes four A rows at a time through shrink4_f32 */
+#define EXPAND_AT_ONCE /* this build has its own expand_f32; the others take B row after row */
 #elif defined(__AVX2__) && defined(__FMA__)
 /* With AVX2 a token's A rows go four at a time too: eight sums in flight, where dot_f32_ahead
  * kept two waiting on each FMA's latency, and four rows streaming at once. Each sum is
@@ -169,7 +170,7 @@ static inline void shrink_f32(const float *x, const float *pool, const int64_t *
 }
 #endif
 
-#if !(defined(__AVX512F__) && defined(__AVX512DQ__))
+#if !defined(EXPAND_AT_ONCE)
 static inline void expand_f32(float *y, const float *v, const float *pool, const int64_t *rows,
                               const int64_t *ahead, int64_t r, int64_t n) {
     for (int64_t j = 0; j < r; j++)
