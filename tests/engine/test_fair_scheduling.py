@@ -4,9 +4,8 @@ stays fully used by a lone tenant, and served tokens follow the tenants' weights
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ class Tenant:
     sent: list[str] = field(default_factory=list)
     submitted: dict[str, float] = field(default_factory=dict)
     first_token: dict[str, float] = field(default_factory=dict)
+    waited_steps: dict[str, int] = field(default_factory=dict)  # steps sent -> first token
     served: int = 0  # prompt tokens + 2 x output tokens, VTC's measure
     output_tokens: int = 0
 
@@ -71,6 +71,7 @@ class Driver:
         self.engine.add_request(request)
         tenant.sent.append(request_id)
         tenant.submitted[request_id] = time.perf_counter()
+        tenant.waited_steps[request_id] = -self.steps
         self.live[request_id] = tenant
         return request_id
 
@@ -85,6 +86,7 @@ class Driver:
             new = len(delta.outputs[0].token_ids)
             if new and delta.request_id not in tenant.first_token:
                 tenant.first_token[delta.request_id] = now
+                tenant.waited_steps[delta.request_id] += self.steps
                 tenant.served += tenant.prompt_tokens
             tenant.served += 2 * new
             tenant.output_tokens += new
@@ -157,40 +159,30 @@ def a_alone_tokens_per_step(model) -> float:
     return tokens / steps
 
 
-@contextlib.contextmanager
-def frozen_gc():
-    """The test process's objects out of the collector's walks while it measures, as the server
-    freezes its start-up objects: a full collection of everything pytest and torch hold takes
-    tens of ms, which in a mean of 8 first tokens of 2-5 ms each measures the collector."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def test_a_flooding_tenant_does_not_starve_a_light_one(tiny_llama, report):
-    with frozen_gc():
-        a_alone = a_alone_tokens_per_step(tiny_llama)
-        _, fcfs_b, _ = noisy_neighbour(tiny_llama, "fcfs")
-        pairs = []
-        for _ in range(2):
-            alone = mean_ttft(light_tenant_alone(tiny_llama))
-            _, fair_b, fair_idle = noisy_neighbour(tiny_llama, "fair")
-            pairs.append((alone, mean_ttft(fair_b)))
-            if pairs[-1][1] <= 2.0 * alone:
-                break
-    (alone, fair), fcfs = pairs[-1], mean_ttft(fcfs_b)
-    shown = ", ".join(f"{fair * 1e3:.1f} against {alone * 1e3:.1f} ms" for alone, fair in pairs)
+    """Counted in engine steps, which the scheduler decides, not in milliseconds, which the host
+    does: under fair scheduling b's first token comes within a step of when it would come with the
+    machine to itself (on a 2-core Zen 4, the next step in both), under FCFS behind a's queue
+    (225-233 steps there). b's wall-clock TTFT against alone is reported, not asserted: it moved
+    between 1.45x and 2.29x with the host, b's first step under fair also carrying a's decodes."""
+    a_alone = a_alone_tokens_per_step(tiny_llama)
+    alone = light_tenant_alone(tiny_llama)
+    _, fair, fair_idle = noisy_neighbour(tiny_llama, "fair")
+    _, fcfs, _ = noisy_neighbour(tiny_llama, "fcfs")
+    waits = {
+        name: list(t.waited_steps.values())
+        for name, t in (("alone", alone), ("fair", fair), ("fcfs", fcfs))
+    }
     report(
-        f"noisy neighbour (tiny model, {SLOTS} slots, a keeps 64 requests outstanding): b's mean "
-        f"TTFT fair against alone {shown} ({fair / alone:.2f}x), fcfs {fcfs * 1e3:.1f} ms "
-        f"({fcfs / alone:.1f}x); a's output tokens per step while b idles {fair_idle:.2f} "
-        f"against {a_alone:.2f} alone"
+        f"noisy neighbour (tiny model, {SLOTS} slots, a keeps 64 requests outstanding): b's "
+        f"first token at most {max(waits['fair'])} step(s) after it was sent under fair, "
+        f"{max(waits['alone'])} alone, a mean of {statistics.mean(waits['fcfs']):.0f} under fcfs; "
+        f"b's mean TTFT fair {mean_ttft(fair) * 1e3:.1f} ms, alone {mean_ttft(alone) * 1e3:.1f} "
+        f"ms, fcfs {mean_ttft(fcfs) * 1e3:.1f} ms; a's output tokens per step while b idles "
+        f"{fair_idle:.2f} against {a_alone:.2f} alone"
     )
-    assert fair <= 2.0 * alone  # the last pair: the second where the first was past 2x
-    assert fcfs >= 10.0 * alone
+    assert max(waits["fair"]) <= max(waits["alone"]) + 1
+    assert statistics.mean(waits["fcfs"]) >= 10 * statistics.mean(waits["alone"])
     assert fair_idle >= 0.97 * a_alone  # work-conserving: a lone tenant gets the machine
 
 
