@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import layer_weights, make_prompts
-from multi_lora_throughput import run_engine
+from side_by_side import alternated_runs, prompt_sets
 
 QV = ("q_proj", "v_proj")
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -216,17 +216,10 @@ class Workload:
     ratio: float  # median over the pairs of adapters / base
 
 
-def whole_runs(llm, prompts, loras, new_tokens: int, rounds: int) -> Workload:
-    """`rounds` pairs of whole runs of len(loras) requests, one run on the adapters (request i
-    on loras[i]) and one on the base model, which goes first alternating; each run on prompts of
-    its own (`prompts` holds 2 * rounds * len(loras) of them)."""
-    n, runs = len(loras), {"adapters": [], "base": []}
-    batches = iter(prompts[i : i + n] for i in range(0, 2 * rounds * n, n))
-    for i in range(rounds):
-        order = ("adapters", "base") if i % 2 == 0 else ("base", "adapters")
-        for name in order:
-            on = loras if name == "adapters" else None
-            runs[name].append(run_engine(llm, next(batches), new_tokens, on))
+def whole_runs(llm, rounds: list[dict], loras, new_tokens: int) -> Workload:
+    """Pairs of whole runs of len(loras) requests, on the adapters and on the base model
+    (side_by_side.alternated_runs), a pair a round of prompt_sets."""
+    runs = alternated_runs(llm, rounds, loras, new_tokens)
     ratios = [a / b for a, b in zip(runs["adapters"], runs["base"], strict=True)]
     return Workload(
         statistics.median(runs["adapters"]), statistics.median(runs["base"]),
@@ -293,8 +286,8 @@ def main() -> None:
             llm, loras = engine_with(modules, n, tmp)
             # the steps' prompts, then fresh ones for every whole run (q,v only)
             runs = args.workload_rounds if name == "q,v" else 0
-            prompts = make_prompts(llm.tokenizer, n * (1 + 2 * runs), 64)
-            prompts, fresh = prompts[:n], prompts[n:]
+            sets = prompt_sets(make_prompts(llm.tokenizer, n * (1 + 2 * runs), 64), n)
+            prompts = sets["warmup"]
             # warm up, and past the engine's first timing of where to fetch q,k,v rows
             decode_steps(llm.engine, prompts, loras, 2 * FETCH_PAIRS + 2, switch)
             if name == "q,v":
@@ -326,7 +319,7 @@ def main() -> None:
             # last longer than one measurement, and two far apart show when one fell in one
             again[name] = decode_steps(llm.engine, prompts, loras, args.steps, switch, probe)
             if runs:
-                workload = whole_runs(llm, fresh, loras, args.new_tokens, runs)
+                workload = whole_runs(llm, sets["rounds"], loras, args.new_tokens)
             del llm
 
     print(

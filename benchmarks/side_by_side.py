@@ -80,6 +80,18 @@ def random_adapters(folder: Path, config, count: int, rank: int, modules) -> tup
     return dirs, [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
 
 
+def alternated_runs(llm, rounds: list[dict], loras, new_tokens: int) -> dict[str, list[float]]:
+    """Output tokens/s of each round's run on the base model and on the adapters (request i on
+    loras[i]), each on the round's own prompts (prompt_sets' rounds); which of the two goes first
+    alternates from round to round, so that a machine's drift touches both alike."""
+    runs: dict[str, list[float]] = {"base": [], "adapters": []}
+    for i, batch in enumerate(rounds):
+        for name in ("base", "adapters") if i % 2 == 0 else ("adapters", "base"):
+            on = loras if name == "adapters" else None
+            runs[name].append(run_engine(llm, batch[name], new_tokens, on))
+    return runs
+
+
 def run_loraplex(model_dir, dtype, sets: dict, loras, new_tokens) -> dict:
     from loraplex import LLM
 
@@ -87,10 +99,7 @@ def run_loraplex(model_dir, dtype, sets: dict, loras, new_tokens) -> dict:
     for lora in loras:
         llm.engine.load_adapter(lora)  # disk -> host -> pool before timing
     run_engine(llm, sets["warmup"][:2], 4, loras[:2])  # warm up
-    runs: dict[str, list[float]] = {"base": [], "adapters": []}
-    for batch in sets["rounds"]:  # alternated, so that a machine's drift touches both alike
-        runs["base"].append(run_engine(llm, batch["base"], new_tokens, None))
-        runs["adapters"].append(run_engine(llm, batch["adapters"], new_tokens, loras))
+    runs = alternated_runs(llm, sets["rounds"], loras, new_tokens)
     result = {name: statistics.median(figures) for name, figures in runs.items()}
     del llm
     gc.collect()

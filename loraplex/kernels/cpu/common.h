@@ -49,12 +49,13 @@ static inline float hsum8(__m256 v) {
 }
 
 /* x . a; with `ahead` (else NULL), the line of ahead at each line of a read brought into L1
- * meanwhile: the order of the float32 LoRA call's shrink (lora.c's shrink4_f32 reads four rows
- * at once, in this order, in the AVX2 and AVX-512 builds), and in the AVX2 build its fetch of
- * the rows of the token a thread takes next, at the pace it reads its own. Issued a whole row at a time, 120 calls of a decode step of 32 all-module adapters
- * took 1.03-1.04x as long (2-core Xeon with AMX). Into L1 rather than L2, a call of 32 tokens
- * on 32 q,v adapters (2-core Zen 5, medians of 300 calls, when every build took this path): rows
- * in L3 50.4 -> 46.6-47.9 us, from memory 53.0 -> 48.5-49.4 us. */
+ * meanwhile. Its order is the float32 LoRA call's shrink's: lora.c's shrink4_f32 sums four rows
+ * at once in this order in the AVX2 and AVX-512 builds, and fetches the rows of the token a
+ * thread takes next as this fetches `ahead`, at the pace it reads its own (into L1 in the AVX2
+ * build, into L2 in the AVX-512 one). Issued a whole row at a time, 120 calls of a decode step
+ * of 32 all-module adapters took 1.03-1.04x as long (2-core Xeon with AMX). Into L1 rather than
+ * L2, a call of 32 tokens on 32 q,v adapters (2-core Zen 5, medians of 300 calls, when every
+ * build took this path): rows in L3 50.4 -> 46.6-47.9 us, from memory 53.0 -> 48.5-49.4 us. */
 static inline float dot_f32_ahead(const float *x, const float *a, int64_t n, const float *ahead) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t k = 0;
