@@ -56,6 +56,7 @@ import torch
 from engine_throughput import layer_weights, make_prompts
 from side_by_side import alternated_runs, prompt_sets
 
+PROMPT_TOKENS = 64  # a sequence's prompt, in the steps and the whole runs alike
 QV = ("q_proj", "v_proj")
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -279,6 +280,7 @@ def main() -> None:
 
     switch = LoRASwitch()
     results: dict[str, Steps] = {}
+    workload: Workload | None = None  # the q,v whole runs, where --workload-rounds asks
     again: dict[str, Steps] = {}
     floors: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -286,7 +288,7 @@ def main() -> None:
             llm, loras = engine_with(modules, n, tmp)
             # the steps' prompts, then fresh ones for every whole run (q,v only)
             runs = args.workload_rounds if name == "q,v" else 0
-            sets = prompt_sets(make_prompts(llm.tokenizer, n * (1 + 2 * runs), 64), n)
+            sets = prompt_sets(make_prompts(llm.tokenizer, n * (1 + 2 * runs), PROMPT_TOKENS), n)
             prompts = sets["warmup"]
             # warm up, and past the engine's first timing of where to fetch q,k,v rows
             decode_steps(llm.engine, prompts, loras, 2 * FETCH_PAIRS + 2, switch)
@@ -344,12 +346,12 @@ def main() -> None:
         print(f"    {base_reads(config, torch_dtype, r)}")
         r = again[name]
         print(f"    again after the strategies: {step_against_base(r)}; {beside_pairs(r, size)}")
-        if name == "q,v" and args.workload_rounds:
+        if name == "q,v" and workload is not None:
             print(
-                f"    the whole workload ({n} requests x (64 prompt + {args.new_tokens} new "
-                f"tokens)): {workload.adapters:.1f} tok/s against base {workload.base:.1f} tok/s, "
-                f"{workload.ratio:.3f}x base throughput (median of {args.workload_rounds} pairs "
-                "of runs)"
+                f"    the whole workload ({n} requests x ({PROMPT_TOKENS} prompt + "
+                f"{args.new_tokens} new tokens)): {workload.adapters:.1f} tok/s against base "
+                f"{workload.base:.1f} tok/s, {workload.ratio:.3f}x base throughput (median of "
+                f"{args.workload_rounds} pairs of runs)"
             )
     if backend == "native":
         print(fetched)
