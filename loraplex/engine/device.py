@@ -151,8 +151,9 @@ def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 _PACKING_ROWS_HINT = 64
 
 
-# The most rows the native bfloat16 projection takes, unless it is as fast for any (with AMX, its
-# FMA build and on Zen 4: cpu_lora.CpuLinearBf16.any_rows); more (prompt chunks) go to oneDNN,
+# The most rows the native projection takes, unless it is as fast for any (bfloat16 with AMX, in
+# its FMA build and on Zen 4: cpu_lora.CpuLinearBf16.any_rows; float32 on Zen 2:
+# cpu_lora.CpuLinearF32.any_rows); more (prompt chunks) go to oneDNN,
 # whose blocking wins there on Zen 5 (256 rows: 0.77x oneDNN's speed; 64 rows: 0.97x; 32 rows:
 # 1.05-1.14x with weights from memory, measured over SmolLM2's 30 layers).
 NATIVE_LINEAR_MAX_ROWS = 32
@@ -178,11 +179,11 @@ class Linear:
     """y = x W^T (+ b), with W stored however the device runs it fastest.
 
     Where choose_linear offers it, batches of up to NATIVE_LINEAR_MAX_ROWS rows (decode steps; in
-    bfloat16 any batch with AMX, in its FMA build and on Zen 4, where it is as fast or faster for
-    all) go through the native projection, which makes the LoRA call after it in the same native
-    call (`lora`) and, but with AMX, brings that call's adapter rows into cache while it computes
-    (`fetch`); this keeps a second copy of W, packed for it, beside oneDNN's for larger batches,
-    but where it takes every product and keeps the one copy.
+    bfloat16 any batch with AMX, in its FMA build and on Zen 4, in float32 on Zen 2, where it is
+    as fast or faster for all) go through the native projection, which makes the LoRA call after
+    it in the same native call (`lora`) and, but with AMX, brings that call's adapter rows into
+    cache while it computes (`fetch`); this keeps a second copy of W, packed for it, beside
+    oneDNN's for larger batches, but where it takes every product and keeps the one copy.
 
     The lm_head, one pass over a vocabulary of rows, is such a projection too. At SmolLM2's 49,152
     x 576 and 32 rows, against oneDNN's: bfloat16 with AMX 1.74 against 2.09 ms on a 2-core Xeon,
@@ -202,7 +203,8 @@ class Linear:
         self._native = choose_linear(weight)
         self._native_packed = self._native.pack(weight) if self._native is not None else None
         self.weight: torch.Tensor | None = weight
-        # the native projection takes every product, of any shape (AMX, its FMA build)
+        # the native projection takes every product, of any shape (bfloat16 with AMX, in its
+        # FMA build and on Zen 4; float32 on Zen 2)
         self._native_takes_all = self._native is not None and self._native.any_rows
         if self._native_takes_all:
             self.weight = None

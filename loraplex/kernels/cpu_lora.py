@@ -118,6 +118,14 @@ def zen4() -> bool:
     return amd_avx512() and cpu_info().get("cpu family") == "25"
 
 
+def zen2() -> bool:
+    """Whether the CPU is AMD's Zen 2: family 23 from model 0x30 (Rome, Matisse, Renoir...); the
+    family's earlier models are Zen and Zen+, whose FMA units are 128 bits wide."""
+    info = cpu_info()
+    model = info.get("model", "")
+    return amd() and info.get("cpu family") == "23" and model.isdigit() and int(model) >= 0x30
+
+
 def intel_avx512() -> bool:
     """Whether the CPU is Intel's with AVX-512: Xeons since Skylake-SP."""
     return cpu_info().get("vendor_id") == "GenuineIntel" and "avx512f" in cpu_flags()
@@ -580,8 +588,12 @@ class CpuLinearF32(_NativeLinear):
       family 25, model 1; the AVX2 build): 0.70x oneDNN's time at 32 rows, 0.80x at 64; whole
       decode steps (benchmarks/projection_ab.py, medians of 30 rounds) of 170.8 against oneDNN's
       232.1 ms on 32 q,v adapters and 202.5 against 270.1 ms on 32 all-module ones, with the
-      fetch; without it 172.0 and 208.5 ms, fetching the A rows alone 170.6 and 206.3 ms (Zen 2,
-      with the same two 256-bit FMA units a core, was not measured). Zen 4,
+      fetch; without it 172.0 and 208.5 ms, fetching the A rows alone 170.6 and 206.3 ms. Zen 2
+      (a 2-core EPYC, family 23, model 49; the AVX2 build): 0.74x oneDNN's time at 32 rows, and
+      whole decode steps of 99.7 and 103.3 against oneDNN's 134.7 and 129.1 ms on 32 q,v
+      adapters, 115.2 against 151.6 ms on 32 all-module ones, with the fetch; extra over base
+      14.1 ms all-module against 25.5 without it and 18.8 fetching the A rows alone, on q,v
+      5.9 and 6.9 against 6.0 and 6.7 without, 4.1 and 6.0 fetching the A rows alone. Zen 4,
       0.80x oneDNN's time; Zen 5 (a 2-core EPYC, family 26, model 2), 0.78x at 32 rows and
       0.80x at 64, and whole decode steps (benchmarks/projection_ab.py, medians of 30-40 rounds)
       of 42.27 against oneDNN's 53.66 ms on 32 q,v adapters and 50.64 against 62.16 ms on 32
@@ -608,8 +620,15 @@ class CpuLinearF32(_NativeLinear):
       against 176.1 ms all-module; extra over base 6.77 and 44.18 ms, where fetching all the
       call's rows gave 12.29 and 62.45 ms, and its A rows alone 10.96 and 50.61 ms.
     Prompt chunks keep oneDNN's (256 rows on Zen 4: 1.08-1.13x its time by the median of 15
-    passes, 0.96x by the best of 7). With `any_cpu`, wherever the build has it, fetching (the
-    tests and benchmarks/prompt_projection.py measure it so)."""
+    passes, 0.96x by the best of 7), but on Zen 2 (zen2), where this projection takes batches of
+    any size (`any_rows`) and the model keeps no oneDNN copy of its weights: there it took
+    0.77-0.93x oneDNN's time at 33-512 rows (0.89-0.91x at a prompt chunk's 256). On the
+    prompts of benchmarks/side_by_side.py (32 of 64 tokens, 256 a chunk), runs of one new token
+    each took 0.92x the time on the base model and 0.96x on 32 all-module adapters, engines
+    alternated (medians of 3); whole runs of 64 new tokens gave the same tokens, 1.01x the
+    throughput, in 566 MiB less memory (1,511 against 2,077 MiB resident after loading
+    SmolLM2). With `any_cpu`, wherever the build has it, fetching (the tests and
+    benchmarks/prompt_projection.py measure it so)."""
 
     dtype = torch.float32
 
@@ -618,6 +637,7 @@ class CpuLinearF32(_NativeLinear):
         super().__init__(lib, native)
         self.fetches = native and (any_cpu or amd())
         self.fetches_shrinks = native and not self.fetches and intel_fp16()
+        self.any_rows = native and zen2()
 
 
 class DecoderLayer(ctypes.Structure):

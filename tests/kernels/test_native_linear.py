@@ -7,7 +7,8 @@ adapter rows a fetching projection is asked to bring into cache are exactly thos
 after it reads. float32 (the engine's on AMD's CPUs and Intel's with AVX-512, tested on any CPU
 with AVX-512 or AVX2 and FMA, and where the machine's build has AVX-512, in the AVX2 build too):
 the product to float32's precision, and with its LoRA call in the same native call, the bits of
-the two apart."""
+the two apart; where it takes batches of every size (Zen 2), prompt chunks too, from its one copy
+of W, and an engine so matches transformers and PEFT."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from loraplex.engine import device
 from loraplex.engine.adapters.lora_batch import TorchLoRA
 from loraplex.engine.workspace import Workspace
 from loraplex.kernels import cpu_lora
+from tests.engine.test_adapters import peft_reference
+from tests.engine.test_fidelity import CHUNK, mixed_prompts
 from tests.factories import cpu_flags, make_llm
 from tests.kernels.test_lora_kernels import build_for, other_bf16_flags
+from tests.oracle import assert_matches_reference
 
 bf16_native = pytest.mark.skipif(
     device.choose_linear(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
@@ -134,7 +138,10 @@ def test_where_it_takes_every_batch_a_row_gives_the_same_bits_in_any_batch(build
     linear = device.Linear(weight, torch.randn(200).bfloat16())
     if not linear._native_takes_all:
         pytest.skip("this build takes decode-sized batches only")
-    x = torch.randn(100, 112).bfloat16()
+    assert_a_row_gives_the_same_bits_in_any_batch(linear, torch.randn(100, 112).bfloat16())
+
+
+def assert_a_row_gives_the_same_bits_in_any_batch(linear: device.Linear, x: torch.Tensor) -> None:
     whole = linear(x)
     for start, end in [(0, 1), (5, 6), (0, 32), (31, 64), (40, 100), (99, 100)]:
         assert torch.equal(linear(x[start:end]), whole[start:end]), (start, end)
@@ -253,16 +260,82 @@ def projection_and_call_give_their_bits_apart(rows: int, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_projection_is_the_product(f32_kernel, rows, out_features, in_features, with_bias):
     """Decode-sized batches through the native float32 projection, larger ones (33 rows)
-    through oneDNN's: float32's product either way, to its rounding over the sum's length."""
+    through oneDNN's (but on Zen 2): float32's product either way, to its rounding over the sum's
+    length."""
     torch.manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features) * 0.2
     bias = torch.randn(out_features) if with_bias else None
     x = torch.randn(rows, in_features)
     linear = device.Linear(weight, bias)
     assert linear._native is f32_kernel
-    assert linear.native(x) == (rows <= device.NATIVE_LINEAR_MAX_ROWS)
+    assert linear.native(x) == (rows <= device.NATIVE_LINEAR_MAX_ROWS or f32_kernel.any_rows)
+    assert_the_float32_product(linear(x), x, weight, bias)
+
+
+def assert_the_float32_product(got, x, weight, bias) -> None:
+    """got is x W^T (+ bias) to float32's rounding over the sum's length."""
     want = x.double() @ weight.double().T + (bias.double() if bias is not None else 0)
-    got = linear(x)
     assert got.dtype == torch.float32 and got.shape == want.shape
-    bound = 1e-6 * (x.double().abs() @ weight.double().abs().T + 1) * in_features**0.5
+    bound = 1e-6 * (x.double().abs() @ weight.double().abs().T + 1) * x.shape[-1] ** 0.5
     assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@pytest.fixture
+def f32_every_batch(monkeypatch, f32_kernel) -> cpu_lora.CpuLinearF32:
+    """The float32 projection taking batches of every size, as it does on Zen 2 (any_rows)."""
+    monkeypatch.setattr(f32_kernel, "any_rows", True)
+    return f32_kernel
+
+
+@pytest.mark.parametrize("rows", [33, 70, 256])
+def test_float32_projection_taking_every_batch_is_the_product_from_one_copy(f32_every_batch, rows):
+    """Where it takes every batch (Zen 2), prompt chunks and batches that are not 2-D go through
+    it too, and the projection keeps W packed its way alone, no oneDNN copy beside it."""
+    torch.manual_seed(rows)
+    weight = torch.randn(960, 576) * 0.2
+    bias = torch.randn(960)
+    linear = device.Linear(weight, bias)
+    assert linear.weight is None and linear._packed is None
+    x = torch.randn(rows, 576)
+    assert linear.native(x)
+    assert_the_float32_product(linear(x), x, weight, bias)
+    batched = torch.randn(2, rows, 576)
+    assert_the_float32_product(linear(batched), batched, weight, bias)
+
+
+def test_float32_projection_taking_every_batch_gives_a_row_the_same_bits_in_any_batch(
+    f32_every_batch,
+):
+    """A token's projection is the same bits alone, in a decode batch or in a prompt chunk."""
+    torch.manual_seed(1)
+    linear = device.Linear(torch.randn(200, 112) * 0.2, torch.randn(200))
+    assert_a_row_gives_the_same_bits_in_any_batch(linear, torch.randn(100, 112))
+
+
+@pytest.mark.parametrize("rows", [70, 256])
+def test_float32_projection_taking_every_batch_makes_a_prompt_chunks_lora_call(
+    f32_every_batch, rows
+):
+    """Past NATIVE_LINEAR_MAX_ROWS it takes the LoRA call in its native call too, with the bits of
+    the two apart."""
+    assert device.Linear(torch.zeros(8, 576)).native(torch.zeros(rows, 576))
+    projection_and_call_give_their_bits_apart(rows, torch.float32)
+
+
+def test_an_engine_whose_float32_projection_takes_prompt_chunks_matches_transformers_and_peft(
+    f32_every_batch, tiny_llama, tiny_adapters, report
+):
+    """As served on Zen 2: prompt chunks (up to three of a prompt, beside decode steps) through
+    the native float32 projection and the layers in one native call, on the base model and on
+    adapters of every rank and module set; greedy tokens identical to transformers' and PEFT's."""
+    llm = make_llm(tiny_llama, max_num_batched_tokens=CHUNK)
+    model = llm.engine.runner.model
+    assert all(p._native_takes_all for p in (model.layers[0].qkv, model.layers[0].down))
+    prompts = mixed_prompts(llm.tokenizer, 2 * (len(tiny_adapters) + 1), seed=5)
+    names = [*tiny_adapters, None]
+    adapters = [tiny_adapters[n] if n else None for n in names] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results = llm.generate(prompts, params, adapters=adapters)
+    refs = [peft_reference(tiny_llama, a, p, 12) for a, p in zip(adapters, prompts, strict=True)]
+    near_ties = assert_matches_reference([r.outputs[0].token_ids for r in results], refs)
+    report(f"tiny llama, float32 prompt chunks native: identical to PEFT, {near_ties} near-ties")
