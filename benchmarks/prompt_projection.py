@@ -10,8 +10,9 @@ its way), alternated, best of 7 passes each. Prints the time of each, its GFLOP/
 time as a multiple of oneDNN's: where it is at or under 1 for every size, the native projection
 takes every batch (cpu_lora.CpuLinearBf16.any_rows: with AMX, in the FMA build, on Zen 4) and the
 model keeps no oneDNN copy of its weights. Needs a CPU with AMX or AVX512-BF16. With
---dtype float32, the float32 projection (kernels/cpu/linear_f32.c, any CPU with AVX-512; the
-engine takes it for decode steps on Zen 4 and Intel, where it was measured: cpu_lora.CpuLinearF32):
+--dtype float32, the float32 projection (kernels/cpu/linear_f32.c, any CPU with AVX-512 or AVX2
+and FMA; the engine takes it for decode steps on AMD's and on Intel's with AVX-512, where it was
+measured, and for every batch on Zen 2, where it was under 1 at every size: cpu_lora.CpuLinearF32):
 where it is under 1 at 32 rows on another CPU, that CPU may take it too; projection_ab.py then
 compares whole steps.
 """
