@@ -323,14 +323,23 @@ def test_float32_projection_taking_every_batch_makes_a_prompt_chunks_lora_call(
 
 
 def test_an_engine_whose_float32_projection_takes_prompt_chunks_matches_transformers_and_peft(
-    f32_every_batch, tiny_llama, tiny_adapters, report
+    f32_every_batch, tiny_llama, tiny_adapters, report, monkeypatch
 ):
-    """As served on Zen 2: prompt chunks (up to three of a prompt, beside decode steps) through
-    the native float32 projection and the layers in one native call, on the base model and on
-    adapters of every rank and module set; greedy tokens identical to transformers' and PEFT's."""
+    """As served on Zen 2: prompt chunks (a prompt longer than a chunk too, beside decode steps)
+    through the native float32 projection, each with its LoRA call in the same native call, on
+    the base model and on adapters of every rank and module set; greedy tokens identical to
+    transformers' and PEFT's."""
     llm = make_llm(tiny_llama, max_num_batched_tokens=CHUNK)
     model = llm.engine.runner.model
     assert all(p._native_takes_all for p in (model.layers[0].qkv, model.layers[0].down))
+    chunk_rows, fused = [], f32_every_batch._fused[torch.float32]
+
+    def counted(*arguments):  # the projection and its LoRA call: (x, x's stride, rows, ...)
+        if arguments[2] > device.NATIVE_LINEAR_MAX_ROWS:
+            chunk_rows.append(arguments[2])
+        return fused(*arguments)
+
+    monkeypatch.setitem(f32_every_batch._fused, torch.float32, counted)
     prompts = mixed_prompts(llm.tokenizer, 2 * (len(tiny_adapters) + 1), seed=5)
     names = [*tiny_adapters, None]
     adapters = [tiny_adapters[n] if n else None for n in names] * 2
@@ -338,4 +347,8 @@ def test_an_engine_whose_float32_projection_takes_prompt_chunks_matches_transfor
     results = llm.generate(prompts, params, adapters=adapters)
     refs = [peft_reference(tiny_llama, a, p, 12) for a, p in zip(adapters, prompts, strict=True)]
     near_ties = assert_matches_reference([r.outputs[0].token_ids for r in results], refs)
-    report(f"tiny llama, float32 prompt chunks native: identical to PEFT, {near_ties} near-ties")
+    assert len(chunk_rows) >= 4  # products of prompt chunks (up to 64 rows) with a LoRA call
+    report(
+        f"tiny llama, float32, {len(chunk_rows)} products of {min(chunk_rows)}-{max(chunk_rows)}"
+        f" rows with their LoRA calls natively: identical to PEFT, {near_ties} near-ties"
+    )
