@@ -56,9 +56,7 @@ def test_the_kernels_follow_the_cpu_model(monkeypatch, vendor, family, flags, fm
     # this machine's build, taken before the CPU is faked: library() keeps what it first builds
     # for the process, and a faked CPU would have it build (and keep) that CPU's
     lib = cpu_lora.library()
-    info = {"vendor_id": vendor, "cpu family": family, "flags": flags}
-    monkeypatch.setattr(cpu_lora, "cpu_info", lambda: info)
-    monkeypatch.setattr(cpu_lora, "cpu_flags", lambda: frozenset(flags.split()))
+    fake_cpu(monkeypatch, {"vendor_id": vendor, "cpu family": family, "flags": flags})
     assert cpu_lora.dpbf16_half_rate() == fma_build
     assert ("-DBF16_BY_FMA" in cpu_lora.build_flags()) == fma_build
     assert cpu_lora.zen4_bf16() == zen4
@@ -93,11 +91,17 @@ def test_zen2_alone_takes_prompt_chunks_through_the_float32_projection(
     lib = cpu_lora.library()  # this machine's build, before the CPU is faked
     if lib is None or not lib.linear_native_f32():
         pytest.skip("the library has no float32 projection on this CPU (no AVX2 and FMA)")
-    info = {"vendor_id": vendor, "cpu family": family, "model": model, "flags": flags}
-    monkeypatch.setattr(cpu_lora, "cpu_info", lambda: info)
-    monkeypatch.setattr(cpu_lora, "cpu_flags", lambda: frozenset(flags.split()))
+    fake_cpu(
+        monkeypatch, {"vendor_id": vendor, "cpu family": family, "model": model, "flags": flags}
+    )
     assert cpu_lora.zen2() == every_batch
     assert cpu_lora.CpuLinearF32(lib).any_rows == every_batch
+
+
+def fake_cpu(monkeypatch, info: dict[str, str]) -> None:
+    """/proc/cpuinfo's first CPU as cpu_lora reads it, made `info` (its "flags" split)."""
+    monkeypatch.setattr(cpu_lora, "cpu_info", lambda: info)
+    monkeypatch.setattr(cpu_lora, "cpu_flags", lambda: frozenset(info["flags"].split()))
 
 
 def test_unknown_dtype_is_refused():
