@@ -135,6 +135,14 @@ class LoRACalls:
         if self.fused is not None:
             _native_linear(next(iter(self.fused)))._fused = self.fused
 
+    def use_for(self, dtype: torch.dtype) -> None:
+        """In the engine's place for the calls bound from now on (batches of new adapters)."""
+        from loraplex.kernels import cpu_lora
+
+        cpu_lora.load()._functions[dtype] = self.lora
+        if self.fused is not None:
+            _native_linear(dtype)._fused = self.fused
+
 
 def _native_linear(dtype: torch.dtype):
     """The engine's native projection of `dtype` (cpu_lora.CpuLinearBf16 or CpuLinearF32)."""

@@ -37,26 +37,29 @@ STEP = 2.0**-7  # a bfloat16 rounding step, relative
 
 
 @pytest.fixture(scope="module")
-def other_build(tmp_path_factory) -> cpu_lora.CpuLinearBf16:
-    """The projection's other build for this CPU (other_bf16_flags)."""
+def other_build(tmp_path_factory) -> tuple[cpu_lora.CpuLinearBf16, cpu_lora.CpuLoRAKernel]:
+    """The projection's other build for this CPU (other_bf16_flags), and its LoRA kernel."""
     fma = "-DBF16_BY_FMA" in cpu_lora.build_flags()
     target = tmp_path_factory.mktemp("kernels") / "cpu_kernels_other.so"
     sources = [str(source) for source in cpu_lora.SOURCES]
     subprocess.run(
         [cpu_lora._compiler(), *other_bf16_flags(), *sources, "-o", str(target)], check=True
     )
-    kernel = cpu_lora.CpuLinearBf16(ctypes.CDLL(str(target)))
+    lib = ctypes.CDLL(str(target))
+    kernel = cpu_lora.CpuLinearBf16(lib)
     assert kernel.any_rows != fma and kernel.supports(torch.bfloat16)
-    return kernel
+    return kernel, cpu_lora.CpuLoRAKernel(lib)
 
 
 @pytest.fixture(params=["machine's build", "other build"])
 def build(request, monkeypatch):
     """Each test of a product twice: with the machine's build of the projection, and with the
-    other (Linear takes it)."""
+    other (Linear takes it), whose LoRA calls made apart are its own too (the two builds' shrinks
+    round differently: vdpbf16ps against two FMAs)."""
     if request.param == "other build":
-        kernel = request.getfixturevalue("other_build")
+        kernel, lora = request.getfixturevalue("other_build")
         monkeypatch.setattr(device, "choose_linear", lambda weight: kernel)
+        monkeypatch.setattr(cpu_lora, "load", lambda: lora)
     return request.param
 
 
@@ -76,10 +79,14 @@ def f32_library(request, tmp_path_factory) -> ctypes.CDLL:
 def f32_kernel(monkeypatch, f32_library) -> cpu_lora.CpuLinearF32:
     """The float32 projection wherever the library has it (AVX-512, or AVX2 and FMA), the
     engine's on AMD's CPUs and put in its place elsewhere, so that its kernel is tested on any
-    CPU that can run it."""
+    CPU that can run it; an engine's decoder layers in one native call from the same library,
+    which read W as its build packs it (the AVX2 build's blocks are not the AVX-512 build's)."""
     kernel = cpu_lora.CpuLinearF32(f32_library, any_cpu=True)
     monkeypatch.setattr(
         device, "choose_linear", lambda weight: kernel if weight.dtype == torch.float32 else None
+    )
+    monkeypatch.setattr(
+        cpu_lora, "load_decoder_layers", lambda: cpu_lora.CpuDecoderLayers(f32_library)
     )
     return kernel
 
@@ -194,13 +201,15 @@ def test_fetch_covers_exactly_the_rows_the_lora_call_reads(tiny_llama, tiny_adap
 
 
 @bf16_native
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70])  # 70: past NATIVE_LINEAR_MAX_ROWS
-def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(build, rows):
+@pytest.mark.parametrize("span", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70, 95])  # past NATIVE_LINEAR_MAX_ROWS: 70, 95
+def test_a_projection_and_its_lora_call_in_one_native_call_give_their_bits_apart(build, rows, span):
     """q, k and v's projection and LoRA call (tokens on three adapters in any order, runs of
-    one) in one native call: the bits of the projection, then the call, apart, for a call on
-    every row or on the later rows alone; a product that cannot take the call (past
-    NATIVE_LINEAR_MAX_ROWS, but in the FMA build) is refused it."""
-    projection_and_call_give_their_bits_apart(rows, torch.bfloat16)
+    one, or those and then a prompt span, which the threads share by blocks) in one native call:
+    the bits of the projection, then the call, apart, for a call on every row or on the later
+    rows alone; a product that cannot take the call (past NATIVE_LINEAR_MAX_ROWS, but in the FMA
+    build and on Zen 4) is refused it."""
+    projection_and_call_give_their_bits_apart(rows, torch.bfloat16, span)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 70])
@@ -211,9 +220,12 @@ def test_float32_projection_and_its_lora_call_in_one_native_call_give_their_bits
     projection_and_call_give_their_bits_apart(rows, torch.float32)
 
 
-def projection_and_call_give_their_bits_apart(rows: int, dtype: torch.dtype) -> bool:
+def projection_and_call_give_their_bits_apart(
+    rows: int, dtype: torch.dtype, span: bool = False
+) -> bool:
     """Whether the projection of `rows` rows took the LoRA call in its native call (it is refused
-    it where it does not), with the bits of the two apart."""
+    it where it does not), with the bits of the two apart; with `span`, its second half one run
+    on one adapter, as a prompt span after decode tokens."""
     torch.manual_seed(rows)
     fin, widths, rank, adapters = 576, (576, 192, 192), 8, 3
     weight = (torch.randn(sum(widths), fin) * 0.05).to(dtype)
@@ -227,6 +239,8 @@ def projection_and_call_give_their_bits_apart(rows: int, dtype: torch.dtype) -> 
         b_rows.append(at + torch.arange(adapters * rank) * width)
         at += matrix.numel()
     slots = torch.randint(0, adapters, (rows,))
+    if span:
+        slots[rows // 2 :] = adapters - 1
     scales = torch.tensor([0.5, 1.0, 2.0])
     outputs = cpu_lora.Outputs([(0, 0, 576), (1, 576, 192), (2, 768, 192)])
     call = cpu_lora.load().bind(
@@ -328,17 +342,18 @@ def test_an_engine_whose_float32_projection_takes_prompt_chunks_matches_transfor
     f32_every_batch, tiny_llama, tiny_adapters, report, monkeypatch
 ):
     """As served on Zen 2: prompt chunks (a prompt longer than a chunk too, beside decode steps)
-    through the native float32 projection, each with its LoRA call in the same native call, on
-    the base model and on adapters of every rank and module set; greedy tokens identical to
-    transformers' and PEFT's."""
+    through the native float32 projection, each with its LoRA call in the same native call and
+    that call's adapter rows fetched meanwhile, on the base model and on adapters of every rank
+    and module set; greedy tokens identical to transformers' and PEFT's."""
     llm = make_llm(tiny_llama, max_num_batched_tokens=CHUNK)
     model = llm.engine.runner.model
     assert all(p._native_takes_all for p in (model.layers[0].qkv, model.layers[0].down))
-    chunk_rows, fused = [], f32_every_batch._fused[torch.float32]
+    chunk_rows, fetched, fused = [], [], f32_every_batch._fused[torch.float32]
 
     def counted(*arguments):  # the projection and its LoRA call: (x, x's stride, rows, ...)
         if arguments[2] > device.NATIVE_LINEAR_MAX_ROWS:
             chunk_rows.append(arguments[2])
+            fetched.append(arguments[11] > 0)  # the ranges it brings into cache meanwhile
         return fused(*arguments)
 
     monkeypatch.setitem(f32_every_batch._fused, torch.float32, counted)
@@ -350,7 +365,9 @@ def test_an_engine_whose_float32_projection_takes_prompt_chunks_matches_transfor
     refs = [peft_reference(tiny_llama, a, p, 12) for a, p in zip(adapters, prompts, strict=True)]
     near_ties = assert_matches_reference([r.outputs[0].token_ids for r in results], refs)
     assert len(chunk_rows) >= 4  # products of prompt chunks (up to 64 rows) with a LoRA call
+    assert all(fetched)  # each fetching its call's rows, decode tokens' and prompt spans'
     report(
         f"tiny llama, float32, {len(chunk_rows)} products of {min(chunk_rows)}-{max(chunk_rows)}"
-        f" rows with their LoRA calls natively: identical to PEFT, {near_ties} near-ties"
+        f" rows with their LoRA calls natively, their rows fetched: identical to PEFT, "
+        f"{near_ties} near-ties"
     )

@@ -344,8 +344,8 @@ static void linear_thread_shrinking(const LinearCall *call, int64_t t, int64_t n
     const int64_t block_numel = LINEAR_COLS * k, block_lines = block_numel * 2 / 64;
     const int64_t steps = tiles * (k / 2), pace = (block_lines + steps - 1) / steps;
     const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
-    Ranges extra = thread_ranges(call->fetch_at, call->fetch_bytes, call->fetches, t, nt,
-                                 (last - first) * steps);
+    Ranges extra = call_ranges(call->fetch_at, call->fetch_bytes, call->fetches, lora, t, nt,
+                               (last - first) * steps);
     for (int64_t b = first; b < last; b++) {
         const char *next = (const char *)(call->packed + (b + 1) * block_numel);
         const char *fetch = b + 1 < last ? next : NULL;
@@ -382,8 +382,8 @@ static void linear_thread_shrinking(const LinearCall *call, int64_t t, int64_t n
     const int64_t x_stride = call->x_stride, y_stride = call->y_stride, k = call->k;
     const Items s = thread_items(call->m, call->n, LINEAR_COLS, LINEAR_ROWS, k / 2, call->packed,
                                  LINEAR_COLS * k * 2, t, nt);
-    Ranges extra = thread_ranges(call->fetch_at, call->fetch_bytes, call->fetches, t, nt,
-                                 (s.last - s.first) * s.steps);
+    Ranges extra = call_ranges(call->fetch_at, call->fetch_bytes, call->fetches, lora, t, nt,
+                               (s.last - s.first) * s.steps);
     for (int64_t item = s.first; item < s.last; item++) {
         const Item it = item_at(&s, item);
         const uint16_t *xr = call->x + it.row * x_stride;

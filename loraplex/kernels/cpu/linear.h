@@ -26,15 +26,49 @@ static inline void fetch_ranges(Ranges *r) {
     }
 }
 
-/* The thread's share of `fetches` ranges (split in order, as evenly as their count), spread
- * over `steps` steps of its work. */
-static inline Ranges thread_ranges(const int64_t *at, const int64_t *bytes, int64_t fetches,
-                                   int64_t t, int64_t nt, int64_t steps) {
-    Ranges r = {at, bytes, fetches * t / nt, fetches * (t + 1) / nt, 0, 0, 0};
+/* Ranges next .. end of at and bytes, spread over `steps` steps of the thread's work. */
+static inline Ranges ranges_between(const int64_t *at, const int64_t *bytes, int64_t next,
+                                    int64_t end, int64_t steps) {
+    Ranges r = {at, bytes, next, end, 0, 0, 0};
     int64_t lines = 0;
     for (int64_t i = r.next; i < r.end; i++) lines += (bytes[i] + 63) / 64;
     r.pace = steps > 0 ? (lines * PACE_ONE + steps - 1) / steps : 0;
     return r;
+}
+
+/* The thread's share of `fetches` ranges (split in order, as evenly as their count), spread
+ * over `steps` steps of its work. */
+static inline Ranges thread_ranges(const int64_t *at, const int64_t *bytes, int64_t fetches,
+                                   int64_t t, int64_t nt, int64_t steps) {
+    return ranges_between(at, bytes, fetches * t / nt, fetches * (t + 1) / nt, steps);
+}
+
+/* The run of a call's slots (runs 0, 1, ... in order) that begins at or after token t */
+static inline int64_t run_from(const LoRABinding *b, int64_t t) {
+    const int64_t n = b->end - b->start;
+    if (t >= n) return b->slots[n - 1] + 1;
+    return t == 0 || b->slots[t - 1] != b->slots[t] ? b->slots[t] : b->slots[t] + 1;
+}
+
+/* With `lora`, the thread's share of a fused call's LoRA, and the fetch ranges that call's rows
+ * (the engine's: a projection fetches the rows of its own call, run after run, as many ranges
+ * each), the ranges of the runs that begin among the thread's tokens: each thread brings in
+ * the rows it reads itself, where the split by count gave a step's decode tokens, which come
+ * first, to the threads in proportion to their count among the runs, not among the tokens.
+ * Else, thread_ranges'. */
+static inline Ranges call_ranges(const int64_t *at, const int64_t *bytes, int64_t fetches,
+                                 const LoRAPasses *lora, int64_t t, int64_t nt, int64_t steps) {
+    const LoRABinding *b = lora == NULL ? NULL
+                           : lora->call != NULL ? lora->call->bound
+                                                : lora->call_f32->bound;
+    const int64_t n = b != NULL ? b->end - b->start : 0;
+    const int64_t runs = n > 0 ? b->slots[n - 1] + 1 : 0;
+    if (runs <= 0 || fetches % runs != 0) return thread_ranges(at, bytes, fetches, t, nt, steps);
+    const int64_t per = fetches / runs;
+    int64_t first = run_from(b, lora->first), last = run_from(b, lora->last);
+    first = first < 0 ? 0 : first > runs ? runs : first;
+    last = last < first ? first : last > runs ? runs : last;
+    return ranges_between(at, bytes, first * per, last * per, steps);
 }
 
 /* The fused call's shrinks (its LoRA in two passes, lora.c) up to the first `due` blocks */

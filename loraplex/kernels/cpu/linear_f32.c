@@ -142,8 +142,8 @@ static void linear_thread_f32(const LinearCallF32 *call, int64_t t, int64_t nt,
     const int64_t x_stride = call->x_stride, y_stride = call->y_stride, k = call->k;
     const Items s = thread_items(call->m, call->n, F32_COLS, F32_ROWS, k, call->packed,
                                  F32_COLS * k * 4, t, nt);
-    Ranges extra = thread_ranges(call->fetch_at, call->fetch_bytes, call->fetches, t, nt,
-                                 (s.last - s.first) * s.steps);
+    Ranges extra = call_ranges(call->fetch_at, call->fetch_bytes, call->fetches, lora, t, nt,
+                               (s.last - s.first) * s.steps);
     for (int64_t item = s.first; item < s.last; item++) {
         const Item it = item_at(&s, item);
         const float *xr = call->x + it.row * x_stride;
