@@ -50,12 +50,12 @@ static inline int64_t run_from(const LoRABinding *b, int64_t t) {
     return t == 0 || b->slots[t - 1] != b->slots[t] ? b->slots[t] : b->slots[t] + 1;
 }
 
-/* With `lora`, the thread's share of a fused call's LoRA, and the fetch ranges that call's rows
- * (the engine's: a projection fetches the rows of its own call, run after run, as many ranges
- * each), the ranges of the runs that begin among the thread's tokens: each thread brings in
- * the rows it reads itself, where the split by count gave a step's decode tokens, which come
- * first, to the threads in proportion to their count among the runs, not among the tokens.
- * Else, thread_ranges'. */
+/* A thread's share of a fused call's fetch ranges. With `lora` (the thread's share of that
+ * call's tokens), where the ranges are the call's rows, run after run, as many ranges a run (the
+ * engine's: a projection fetches its own call's rows), those of the runs that begin among the
+ * thread's tokens: each thread brings in the rows it reads itself. Split by count instead
+ * (thread_ranges, which takes the rest), a step's decode tokens (a run each) beside a prompt
+ * span had their rows fetched by both threads, while the tokens went to one. */
 static inline Ranges call_ranges(const int64_t *at, const int64_t *bytes, int64_t fetches,
                                  const LoRAPasses *lora, int64_t t, int64_t nt, int64_t steps) {
     const LoRABinding *b = lora == NULL ? NULL
