@@ -235,6 +235,8 @@ def rows_fetched(model, rows: int, modules: tuple[str, ...]) -> str:
     if qkv.fetches_rows(rows):
         if "gate_proj" in modules or "up_proj" in modules:
             return "q,k,v rows fetched by the q,k,v projection itself (gate_up has LoRA of its own)"
+        if not qkv.fetches_decode_rows(rows):
+            return "q,k,v rows fetched by the q,k,v projection itself (a step past decode size)"
         ahead = model.fetch_placement.ahead
         where = "the layer before's gate_up" if ahead else "the q,k,v projection itself"
         return f"q,k,v rows fetched by {where}: the engine's timed choice"

@@ -118,7 +118,7 @@ def main() -> None:
             # whether a step of one prompt beside 31 decode tokens fetches at all here
             fetches = engine.runner.model.layers[0].qkv.fetches_rows(PROMPT_TOKENS + 31)
             results[name] = figures
-            del llm
+            del llm, engine  # one model at a time
 
     print(
         f"model {model_dir.name}, {dtype}, {args.threads} threads; a {PROMPT_TOKENS}-token "

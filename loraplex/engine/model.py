@@ -321,7 +321,8 @@ class CausalLM:
         cache where it fetches and has no LoRA call of its own (adapters on attention only, as
         q,v adapters are); else None. Whether gate_up or the q,k,v projection itself is the
         faster to fetch them depends on the CPU, so forward times both (fetch_placement.py), on
-        decode steps: in a step with a prompt chunk each q,k,v projection fetches its own."""
+        decode-sized steps (NATIVE_LINEAR_MAX_ROWS rows at most): in a larger one (a prompt
+        chunk's) each q,k,v projection fetches its own."""
         if gate_up.plan is not None or next_qkv.plan is None:
             return None  # gate_up has its own LoRA call, or the next layer's q,k,v none
         if not layer.gate_up.fetches_decode_rows(rows):

@@ -362,12 +362,12 @@ static void linear_thread_shrinking(const LinearCall *call, int64_t t, int64_t n
  * split evenly between the threads, so each thread reads its run of blocks once from memory (a
  * block stays in L2 across its row tiles).
  *
- * The call's fetch ranges are split between the threads in order as evenly as their count, and
- * spread over each thread's work. The engine passes the adapter rows of the LoRA call that
- * follows, in the order of its tokens: a decode step's dense products are bound by arithmetic
- * and leave most of the memory bandwidth unused, and the LoRA kernel, which is bound by memory,
- * then finds its rows in cache (each thread the rows of the tokens it takes, the kernel
- * splitting tokens in halves as this splits ranges).
+ * The call's fetch ranges are split between the threads, each taking the rows of the LoRA
+ * tokens it takes (call_ranges, linear.h; by count without a LoRA call of its own), and spread
+ * over each thread's work. The engine passes the adapter rows of the LoRA call that follows, in
+ * the order of its tokens: a decode step's dense products are bound by arithmetic and leave most
+ * of the memory bandwidth unused, and the LoRA kernel, which is bound by memory, then finds its
+ * rows in cache.
  *
  * With `lora` (the fused call's LoRA in two passes, lora.c), the thread's shrinks go between
  * the items of the second half of its work, twice as fast as its items go: spread over all of

@@ -582,7 +582,10 @@ static inline int block_at(const LoRABinding *b, int64_t t, int64_t last, int64_
  * spans), level on a decode step's 32 (1.54, 1.50 ms). A request arriving every step
  * (benchmarks/mixed_steps.py --against the split by count, medians of 8 alternated runs): the
  * split by count 1.044x the time on all-module adapters, 1.020x on q,v ones. Where the split
- * falls inside a span, each thread reads its rows; the bits do not depend on the blocks. */
+ * falls inside a span, each thread reads its rows; the bits do not depend on the blocks, but in
+ * the AMX build, whose tiles take a thread's spans 16 tokens at a time from its first token,
+ * which tokens go through tiles does (as it did with the split by count), and the split there
+ * was not measured. */
 static int64_t share_start(const LoRABinding *b, int64_t th, int64_t nt) {
     const int64_t n = b->end - b->start, *slots = b->slots;
     if (th <= 0) return 0;

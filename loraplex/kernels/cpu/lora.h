@@ -37,7 +37,8 @@ __attribute__((visibility("hidden"))) void lora_thread_f32(const LoRACallF32 *ca
 
 /* A bfloat16 LoRA call (lora_thread_bf16): the call `bound` on x [*, fin] and y, rows x_stride
  * and y_stride apart from row 0; rows_fetched: its rows were brought into cache before it (the
- * call in linear_lora_bf16, after a decode step's projection). */
+ * call in linear_lora_bf16, after the projection of a decode step or of a step with a prompt
+ * chunk). */
 typedef struct {
     const uint16_t *x;
     int64_t x_stride;
