@@ -66,7 +66,7 @@ static inline Ranges call_ranges(const int64_t *at, const int64_t *bytes, int64_
     if (runs <= 0 || fetches % runs != 0) return thread_ranges(at, bytes, fetches, t, nt, steps);
     const int64_t per = fetches / runs;
     int64_t first = run_from(b, lora->first), last = run_from(b, lora->last);
-    first = first < 0 ? 0 : first > runs ? runs : first;
+    first = first > runs ? runs : first; /* slots out of order (not the engine's): in bounds */
     last = last < first ? first : last > runs ? runs : last;
     return ranges_between(at, bytes, first * per, last * per, steps);
 }

@@ -569,8 +569,15 @@ static inline int block_at(const LoRABinding *b, int64_t t, int64_t last, int64_
     } while (0);
 #endif
 
-/* Where thread th of nt's share of a bfloat16 call's n tokens begins (th = nt: n). The tokens
- * are split as evenly as their blocks go, a run of L tokens counting as its ceil(L / LORA_BLOCK)
+/* The end of the run of slots (consecutive tokens on one slot) that starts at token t */
+static inline int64_t run_end(const int64_t *slots, int64_t t, int64_t n) {
+    int64_t u = t + 1;
+    while (u < n && slots[u] == slots[t]) u++;
+    return u;
+}
+
+/* Thread th of nt's share of a bfloat16 call's n tokens: *first .. *last. The tokens are
+ * split as evenly as their blocks go, a run of L tokens counting as its ceil(L / LORA_BLOCK)
  * blocks, each of which reads the run's rows once: with decode tokens alone, runs of one, that
  * is the split by count. By count, a step with a prompt chunk beside decode tokens put every
  * decode token (they come first) on the first thread, each reading its adapter's rows from
@@ -586,24 +593,26 @@ static inline int block_at(const LoRABinding *b, int64_t t, int64_t last, int64_
  * the AMX build, whose tiles take a thread's spans 16 tokens at a time from its first token,
  * which tokens go through tiles does (as it did with the split by count), and the split there
  * was not measured. */
-static int64_t share_start(const LoRABinding *b, int64_t th, int64_t nt) {
+static void share_of(const LoRABinding *b, int64_t th, int64_t nt, int64_t *first,
+                     int64_t *last) {
     const int64_t n = b->end - b->start, *slots = b->slots;
-    if (th <= 0) return 0;
-    if (th >= nt) return n;
     int64_t total = 0;
     for (int64_t t = 0, u; t < n; t = u) {
-        for (u = t + 1; u < n && slots[u] == slots[t]; u++) continue;
+        u = run_end(slots, t, n);
         total += (u - t + LORA_BLOCK - 1) / LORA_BLOCK;
     }
-    const int64_t target = total * th / nt;
-    int64_t done = 0;
-    for (int64_t t = 0, u; t < n; t = u) {
-        for (u = t + 1; u < n && slots[u] == slots[t]; u++) continue;
+    const int64_t from = total * th / nt, to = total * (th + 1) / nt; /* in blocks */
+    *first = *last = n;
+    for (int64_t t = 0, u, done = 0; t < n; t = u) {
+        u = run_end(slots, t, n);
         const int64_t blocks = (u - t + LORA_BLOCK - 1) / LORA_BLOCK;
-        if (done + blocks > target) return t + (target - done) * LORA_BLOCK;
+        if (*first == n && done + blocks > from) *first = t + (from - done) * LORA_BLOCK;
+        if (done + blocks > to) {
+            *last = t + (to - done) * LORA_BLOCK;
+            return;
+        }
         done += blocks;
     }
-    return n;
 }
 
 /* The calling thread's buffer, at least `bytes` long; kept for its later calls (a buffer
@@ -758,12 +767,13 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
 }
 #endif
 
-/* Thread th of nt's share of a call: its part of the tokens (share_start), taken in blocks. A
+/* Thread th of nt's share of a call: its part of the tokens (share_of), taken in blocks. A
  * block's arithmetic is each of its tokens' on its own, in the same order: the results do not
  * depend on the blocking. */
 void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
-    const int64_t last = share_start(bound, th + 1, nt);
+    int64_t first, last;
+    share_of(bound, th, nt, &first, &last);
     const int64_t *slots = bound->slots;
 #if defined(HAVE_AMX)
     const int64_t x_stride = call->x_stride, y_stride = call->y_stride, fin = call->fin;
@@ -779,7 +789,7 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
     uint16_t *work = NULL; /* had, and the tiles shaped, at the thread's first span */
     int tiles = amx_takes(fin, r);
 #endif
-    for (int64_t t = share_start(bound, th, nt); t < last;) {
+    for (int64_t t = first; t < last;) {
         const int64_t s = slots[t];
 #if defined(HAVE_AMX)
         int64_t len = 1;
@@ -825,7 +835,8 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
 int lora_passes_begin(LoRAPasses *p, const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
     p->call = call, p->call_f32 = NULL;
-    p->first = p->next = share_start(bound, th, nt), p->last = share_start(bound, th + 1, nt);
+    share_of(bound, th, nt, &p->first, &p->last);
+    p->next = p->first;
     p->blocks = p->shrunk = 0;
     for (int64_t t = p->first, later; t < p->last; t += block_at(bound, t, p->last, &later))
         p->blocks++;
