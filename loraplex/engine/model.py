@@ -380,6 +380,9 @@ def _native_lora(steps: list[LayerLoRA], fetch_ahead: bool) -> tuple[ctypes.Arra
     return (cpu_lora.LayerLoRA * len(layers))(*layers), held
 
 
+_NO_STEP = cpu_lora.StepProjection.of(None, None, None)  # copied into each LayerLoRA it is in
+
+
 def _native_projection(
     step: ProjectionStep,
     held: list,
@@ -388,7 +391,7 @@ def _native_projection(
 ) -> cpu_lora.StepProjection:
     """What _project does with a step, as cpu/layers.c takes it (arrays it makes put in `held`)."""
     if step.plan is None:
-        return cpu_lora.StepProjection.of(None, None, ahead)
+        return _NO_STEP if ahead is None else cpu_lora.StepProjection.of(None, None, ahead)
     fetch = None if fetched else step.fetch
     if step.fused is not None:
         return cpu_lora.StepProjection.of(step.fused, None, fetch)

@@ -242,8 +242,10 @@ class Outputs:
         if not 0 < len(parts) <= MAX_MODULES:
             raise ValueError(f"a call writes 1 to {MAX_MODULES} modules, got {len(parts)}")
         self.rows = torch.tensor([row for row, _, _ in parts], dtype=torch.int64)
+        self.table_key = tuple(row for row, _, _ in parts)  # the table rows, as a dict key
         self.columns = torch.tensor([start for _, start, _ in parts], dtype=torch.int64)
         self.widths = torch.tensor([width for _, _, width in parts], dtype=torch.int64)
+        self.pointers = (self.rows.data_ptr(), self.columns.data_ptr(), self.widths.data_ptr())
         self.count = len(parts)
         self.table_rows = max(row for row, _, _ in parts) + 1  # rows of the tables it reads
         self.end = max(start + width for _, start, width in parts)  # columns of y it writes
@@ -274,17 +276,66 @@ class CpuLoRAKernel(_PerDtype):
         (layer, projection) once per batch composition and calls it every layer of every step
         (with the rows in cache, a q,v call of 32 tokens takes about 15 us in C; checking and
         converting its arguments, and slicing the rows, took about 5 us more each time)."""
+        self._check(a_rows, b_rows, slots, rank, start, end)
+        if outputs.table_rows > (a_rows.shape[0] if a_rows.dim() == 2 else 1):
+            raise ValueError("the outputs do not fit the row tables")
+        function = self._functions[pool.dtype]
+        tables = (pool, a_rows, b_rows, slots, rank, scales, outputs)
+        return BoundLoRA(function, *tables, start, end)
+
+    def bind_layers(
+        self,
+        pool: torch.Tensor,
+        a_rows: torch.Tensor,
+        b_rows: torch.Tensor,
+        slots: torch.Tensor,
+        rank: int,
+        scales: torch.Tensor,
+        outputs: list[Outputs | None],
+        start: int,
+        end: int,
+    ) -> list[BoundLoRA | None]:
+        """bind for each layer i of 3-D tables [layers, module rows, n]: the call on layer i's
+        tables with outputs[i] (None where that is None). The tables are checked once for all
+        layers, and no view of a layer's is made: bound a layer at a time in a step (120 calls
+        on all-module adapters), binding took about 16 us a call, more than in a loop of its
+        own, with the caches cold after the step before."""
+        if a_rows.dim() != 3 or len(outputs) != a_rows.shape[0]:
+            raise ValueError("the row tables need a layer each, and outputs for every layer")
+        self._check(a_rows, b_rows, slots, rank, start, end)
+        if any(o is not None and o.table_rows > a_rows.shape[1] for o in outputs):
+            raise ValueError("the outputs do not fit the row tables")
+        function, dtype = self._functions[pool.dtype], pool.dtype
+        held = (pool, a_rows, b_rows, slots, scales)
+        a_step, b_step = (t.stride(0) * t.element_size() for t in (a_rows, b_rows))
+        a_at, b_at, mstride = a_rows.data_ptr(), b_rows.data_ptr(), a_rows.stride(1)
+        pointers = (pool.data_ptr(), slots.data_ptr(), rank, scales.data_ptr())
+        calls: list[BoundLoRA | None] = []
+        for i, o in enumerate(outputs):
+            at = (a_at + i * a_step, b_at + i * b_step, mstride, *pointers)
+            bound = (
+                None
+                if o is None
+                else BoundLoRA.of_pointers(function, dtype, (*held, o), o, start, end, *at)
+            )
+            calls.append(bound)
+        return calls
+
+    @staticmethod
+    def _check(
+        a_rows: torch.Tensor,
+        b_rows: torch.Tensor,
+        slots: torch.Tensor,
+        rank: int,
+        start: int,
+        end: int,
+    ) -> None:
         if rank > MAX_RANK:
             raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")
         if a_rows.stride(-1) != 1 or slots.numel() != end - start:
             raise ValueError("the row tables need unit column stride, and one slot a row")
-        if outputs.table_rows > (a_rows.shape[0] if a_rows.dim() == 2 else 1):
-            raise ValueError("the outputs do not fit the row tables")
         if a_rows.shape != b_rows.shape or a_rows.stride() != b_rows.stride():
             raise ValueError("a_rows and b_rows differ in layout")
-        function = self._functions[pool.dtype]
-        tables = (pool, a_rows, b_rows, slots, rank, scales, outputs)
-        return BoundLoRA(function, *tables, start, end)
 
 
 class BoundLoRA:
@@ -292,13 +343,29 @@ class BoundLoRA:
     converted once into one LoRABinding (and their tensors held as long as the call)."""
 
     def __init__(self, function, pool, a_rows, b_rows, slots, rank, scales, outputs, start, end):
-        self._function, self._dtype = function, pool.dtype
+        held = (pool, a_rows, b_rows, slots, scales, outputs)
+        tables = (a_rows.data_ptr(), b_rows.data_ptr(), a_rows.stride(0))
+        pointers = (pool.data_ptr(), slots.data_ptr(), rank, scales.data_ptr())
+        self._set(function, pool.dtype, held, outputs, start, end, *tables, *pointers)
+
+    @classmethod
+    def of_pointers(cls, function, dtype, held, outputs, start, end, *binding) -> BoundLoRA:
+        """The call on the tables at the addresses `binding` (a_rows, b_rows, their module
+        stride, then the pool, slots, rank, scales), whose tensors `held` holds."""
+        bound = cls.__new__(cls)
+        bound._set(function, dtype, held, outputs, start, end, *binding)
+        return bound
+
+    def _set(
+        self, function, dtype, held, outputs, start, end, a_at, b_at, mstride, pool, slots, rank,
+        scales,
+    ) -> None:  # fmt: skip
+        self._function, self._dtype = function, dtype
         self._end, self._columns = end, outputs.end
-        self._tensors = (pool, a_rows, b_rows, slots, scales, outputs)
+        self._tensors = held  # the tensors the binding points into, alive as long as the call
         self._binding = LoRABinding(
-            start, end, outputs.count, outputs.rows.data_ptr(), outputs.columns.data_ptr(),
-            outputs.widths.data_ptr(), pool.data_ptr(), a_rows.data_ptr(), b_rows.data_ptr(),
-            a_rows.stride(0), slots.data_ptr(), rank, scales.data_ptr(), torch.get_num_threads(),
+            start, end, outputs.count, *outputs.pointers, pool, a_at, b_at, mstride, slots, rank,
+            scales, torch.get_num_threads(),
         )  # fmt: skip
         self.binding = ctypes.addressof(self._binding)  # what the kernels take
         self.empty = end == start

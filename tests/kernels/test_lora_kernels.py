@@ -439,6 +439,34 @@ def test_a_call_bound_to_some_rows_changes_only_them_every_time_it_is_made(dtype
         kernel_build.bind(pool, runs, b_rows[:, rank:], slots[3:], rank, scales, outputs, 2, 6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_calls_bound_for_every_layer_at_once_are_each_layers_call(dtype):
+    """The engine binds a batch's calls for all layers at once (bind_layers): layer i's call
+    gives the bits the call bound to layer i's tables alone gives, a layer whose adapters change
+    none of the modules gets no call, and tables the outputs do not fit are refused."""
+    x, y, (pool, a_rows, b_rows, slots, rank, scales), widths, columns = three_modules_case(dtype)
+    kernel = native_kernel()
+    # three layers: the tables as they are, their runs in another order, then no call at all
+    order = torch.tensor([2, 0, 3, 1])
+    other_a, other_b = (t.view(3, 4, rank)[:, order].reshape(3, -1) for t in (a_rows, b_rows))
+    layers_a = torch.stack([a_rows, other_a, a_rows])
+    layers_b = torch.stack([b_rows, other_b, b_rows])
+    outputs = cpu_lora.Outputs([(0, columns[0], widths[0]), (2, columns[2], widths[2])])
+    tables = (pool, layers_a, layers_b, slots, rank, scales)
+    calls = kernel.bind_layers(*tables, [outputs, outputs, None], 0, 6)
+    assert calls[2] is None
+    for call, a, b in zip(calls[:2], (a_rows, other_a), (b_rows, other_b), strict=False):
+        want, got = y.clone(), y.clone()
+        kernel.bind(pool, a, b, slots, rank, scales, outputs, 0, 6)(x, want)
+        call(x, got)
+        assert torch.equal(got, want) and not torch.equal(got, y)
+    wide = cpu_lora.Outputs([(3, 0, widths[0])])  # a fourth module row: not in the tables
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel.bind_layers(*tables, [outputs, wide, None], 0, 6)
+    with pytest.raises(ValueError, match="differ in layout"):
+        kernel.bind_layers(pool, layers_a, layers_b[:, :2], slots, rank, scales, [None] * 3, 0, 6)
+
+
 @pytest.mark.parametrize("compiler", ["/nonexistent/cc", "false"])
 def test_without_a_working_compiler_the_cpu_falls_back_to_the_torch_path(
     compiler, monkeypatch, tmp_path

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.adapters.manager import ResidentAdapter
+from loraplex.engine.adapters.manager import ResidentAdapter, changed_modules
 from loraplex.engine.adapters.peft_format import MODULES
 from loraplex.engine.workspace import Workspace
 from loraplex.kernels import cpu_lora
@@ -101,14 +101,17 @@ class RunGroup:
     rank: int
     targets: frozenset[tuple[int, str]]
     scales: torch.Tensor  # [runs] float32
-    a_rows: torch.Tensor  # [num_layers, num_modules, runs * rank] pool offsets of lora_A rows
-    b_rows: torch.Tensor  # [num_layers, num_modules, runs * rank] pool offsets of lora_B^T rows
+    # [num_layers, modules changed, runs * rank] pool offsets of lora_A rows and of lora_B^T
+    # rows, a row for each module the group's adapters change (_table_rows)
+    a_rows: torch.Tensor
+    b_rows: torch.Tensor
     slots: torch.Tensor  # [end - start] int64: each token's run
+    adapters: tuple[ResidentAdapter, ...]  # each run's
 
     @classmethod
     def of(cls, runs: list[TokenRun]) -> RunGroup:
         adapters = [adapter for _, _, adapter in runs]
-        layers, modules, rank = adapters[0].a_offsets.shape
+        layers, modules, rank = adapters[0].a_changed.shape
         lengths = torch.tensor([end - start for start, end, _ in runs])
         return cls(
             start=runs[0][0],
@@ -116,9 +119,10 @@ class RunGroup:
             rank=rank,
             targets=adapters[0].targets,
             scales=torch.tensor([ad.scale for ad in adapters], dtype=torch.float32),
-            a_rows=torch.stack([ad.a_offsets for ad in adapters], 2).view(layers, modules, -1),
-            b_rows=torch.stack([ad.b_offsets for ad in adapters], 2).view(layers, modules, -1),
+            a_rows=torch.stack([ad.a_changed for ad in adapters], 2).view(layers, modules, -1),
+            b_rows=torch.stack([ad.b_changed for ad in adapters], 2).view(layers, modules, -1),
             slots=torch.arange(len(runs)).repeat_interleave(lengths),
+            adapters=tuple(adapters),
         )
 
 
@@ -165,6 +169,7 @@ class TorchLoRA:
         self._windows: dict[int, torch.Tensor] = {}
         self._fetches: dict[tuple[Modules, bool], list[cpu_lora.Fetch | None]] = {}
         self._plans: dict[tuple[int, Modules], ProjectionLoRA | None] = {}
+        self._bound: dict[tuple[int, Modules], list[cpu_lora.BoundLoRA | None]] = {}
         self.spans: list[TokenRun] = []
         grouped: list[TokenRun] = []
         for start, end, adapter in _split_at(adapter_runs(token_adapters), num_decodes):
@@ -195,13 +200,12 @@ class TorchLoRA:
         kernel calls with their arguments converted once (a step makes four a layer, and the
         same ones again every step of an unchanged batch), and one for the long spans."""
         calls: list[Callable] = []
-        for g in self.groups:
+        for index, g in enumerate(self.groups):
             outputs = _kernel_outputs(g.targets, layer, modules)
             if outputs is None:
                 continue
             if self._in_kernel(g.rank):
-                tables = (self.pool, g.a_rows[layer], g.b_rows[layer], g.slots, g.rank, g.scales)
-                calls.append(self.kernel.bind(*tables, outputs, g.start, g.end))
+                calls.append(self._kernel_calls(index, modules)[layer])
             else:
                 calls.append(functools.partial(self._gathered, g, layer, modules))
         if any(
@@ -212,6 +216,17 @@ class TorchLoRA:
             calls.append(functools.partial(self._spans, layer, modules))
         return calls
 
+    def _kernel_calls(self, index: int, modules: Modules) -> list[cpu_lora.BoundLoRA | None]:
+        """Group `index`'s native calls for `modules` in every layer (None where its adapters
+        change none of them), bound together at the first use."""
+        key = (index, modules)
+        if key not in self._bound:
+            g = self.groups[index]
+            outputs = [_kernel_outputs(g.targets, layer, modules) for layer in range(len(g.a_rows))]
+            tables = (self.pool, g.a_rows, g.b_rows, g.slots, g.rank, g.scales)
+            self._bound[key] = self.kernel.bind_layers(*tables, outputs, g.start, g.end)
+        return self._bound[key]
+
     def _gathered(
         self, g: RunGroup, layer: int, modules: Modules, x: torch.Tensor, y: torch.Tensor
     ) -> None:
@@ -220,7 +235,7 @@ class TorchLoRA:
         for module, first, width in modules:
             if (layer, module) not in g.targets:
                 continue
-            m = MODULE_INDEX[module]
+            m = _table_rows(g.targets)[module]
             a = self._gather("lora_a", g.a_rows[layer, m], x.shape[1]).view(n, g.rank, -1)
             v = torch.bmm(x[g.start : g.end].unsqueeze(1), a.transpose(1, 2))
             v.mul_(g.scales.view(-1, 1, 1))
@@ -259,7 +274,7 @@ class TorchLoRA:
         same modules in one set of tensor ops. A layer at a time, they cost 1.8 ms for a batch
         on 32 q,v adapters and 6.5 ms on 32 all-module ones (2-core Xeon), again at every change
         of the batch's adapters."""
-        base, size = self.pool.data_ptr(), self.pool.element_size()
+        size = self.pool.element_size()
         layers = self.groups[0].a_rows.shape[0] if self.groups else 0
         at: list[list[torch.Tensor]] = [[] for _ in range(layers)]
         nbytes: list[list[torch.Tensor]] = [[] for _ in range(layers)]
@@ -270,26 +285,27 @@ class TorchLoRA:
             for layer in range(layers):
                 outputs = _kernel_outputs(g.targets, layer, modules)
                 if outputs is not None:
-                    alike.setdefault(tuple(outputs.rows.tolist()), (outputs, []))[1].append(layer)
-            runs = g.a_rows.shape[2] // g.rank
+                    alike.setdefault(outputs.table_key, (outputs, []))[1].append(layer)
+            runs, kinds = len(g.adapters), 1 if shrinks_only else 2
             for outputs, same in alike.values():
-                index = torch.tensor(same)
-                # each kind of row the call reads (A; B^T unless shrinks_only) and its widths
-                kinds = [(g.a_rows, torch.full_like(outputs.widths, in_features))]
-                if not shrinks_only:
-                    kinds.append((g.b_rows, outputs.widths))
                 # [layers, runs, modules, kind, rank]: a run's rows of every module together
-                rows = torch.stack([table[index][:, outputs.rows] for table, _ in kinds], 2)
-                rows = rows.view(len(same), outputs.count, len(kinds), runs, g.rank)
-                addresses = (base + rows.permute(0, 3, 1, 2, 4) * size).reshape(len(same), -1)
-                widths = torch.stack([width for _, width in kinds], 1)  # [modules, kind]
-                lengths = (widths * size).view(1, -1, len(kinds), 1)
-                lengths = lengths.expand(runs, -1, len(kinds), g.rank).flatten()
+                rows = [_row_addresses(adapter, outputs, shrinks_only) for adapter in g.adapters]
+                addresses = torch.stack(rows, 1)
+                if len(same) < layers:
+                    addresses = addresses.index_select(0, torch.tensor(same))
+                addresses = addresses.view(len(same), -1)
+                # each kind of row's width (A: the input's; B^T: the module's output's)
+                widths = [torch.full_like(outputs.widths, in_features)]
+                if not shrinks_only:
+                    widths.append(outputs.widths)
+                lengths = (torch.stack(widths, 1) * size).view(1, -1, kinds, 1)
+                lengths = lengths.expand(runs, -1, kinds, g.rank).flatten()
                 for layer, row in zip(same, addresses.unbind(0), strict=True):
                     at[layer].append(row)
                     nbytes[layer].append(lengths)
+        # a layer's ranges are most often one group's, a row of its addresses: no copy then
         return [
-            cpu_lora.Fetch(torch.cat(a), torch.cat(b)) if a else None
+            None if not a else cpu_lora.Fetch(*(a + b) if len(a) == 1 else map(torch.cat, (a, b)))
             for a, b in zip(at, nbytes, strict=True)
         ]
 
@@ -309,14 +325,38 @@ def _kernel_outputs(
     targets: frozenset[tuple[int, str]], layer: int, modules: Modules
 ) -> cpu_lora.Outputs | None:
     """Which of `modules` an adapter with these targets changes in `layer`, as the native
-    kernel takes them (rows of the group's [num_modules, ...] offset tables); None if none.
+    kernel takes them (rows of the group's offset tables: _table_rows); None if none.
     Cached: the same few shapes come back every layer of every step."""
+    rows = _table_rows(targets)
     parts = [
-        (MODULE_INDEX[module], first, width)
+        (rows[module], first, width)
         for module, first, width in modules
         if (layer, module) in targets
     ]
     return cpu_lora.Outputs(parts) if parts else None
+
+
+def _row_addresses(
+    adapter: ResidentAdapter, outputs: cpu_lora.Outputs, shrinks_only: bool
+) -> torch.Tensor:
+    """[layers, modules, kind, rank]: the addresses of the adapter's rows a native LoRA call
+    with these outputs reads (A; B^T too unless shrinks_only), kept with the adapter, whose
+    rows never move while it is resident. A step's fetch ranges stack them: worked out from
+    its tables every time, they took three times as long."""
+    key = (outputs.table_key, shrinks_only)
+    if key not in adapter.row_addresses:
+        tables = (adapter.a_changed,) if shrinks_only else (adapter.a_changed, adapter.b_changed)
+        rows = torch.stack([table.index_select(1, outputs.rows) for table in tables], 2)
+        base, size = adapter.pool.data_ptr(), adapter.pool.element_size()
+        adapter.row_addresses[key] = rows * size + base
+    return adapter.row_addresses[key]
+
+
+@functools.lru_cache(maxsize=4096)
+def _table_rows(targets: frozenset[tuple[int, str]]) -> dict[str, int]:
+    """Each module adapters with these targets change -> its row in a group's offset tables
+    (RunGroup), which hold those modules' rows alone."""
+    return {module: row for row, module in enumerate(changed_modules(targets))}
 
 
 def _split_at(runs: list[TokenRun], boundary: int) -> list[TokenRun]:

@@ -39,6 +39,13 @@ _TARGET_SETS: dict[frozenset[tuple[int, str]], frozenset[tuple[int, str]]] = {}
 _MAX_TARGET_SETS = 1024
 
 
+def changed_modules(targets: frozenset[tuple[int, str]]) -> tuple[str, ...]:
+    """The modules an adapter with these (layer, module) targets changes in some layer, in
+    MODULES order."""
+    names = {module for _, module in targets}
+    return tuple(module for module in MODULES if module in names)
+
+
 @dataclass(eq=False)
 class ResidentAdapter:
     """An adapter's weights in pool pages, with row offsets ready for the kernels and views of its
@@ -61,6 +68,8 @@ class ResidentAdapter:
     pinned_by: set[str] = field(default_factory=set)
     num_users: int = 0
     last_used: int = 0
+    # the addresses of its rows each kind of LoRA call reads (lora_batch._row_addresses)
+    row_addresses: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         # the (layer, module) pairs it changes
@@ -74,6 +83,11 @@ class ResidentAdapter:
         # equal sets of a few hundred pairs cost ~10 us a comparison (1.6 ms a 32-sequence step)
         shape = hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:16]
         self.batch_order = (self.rank, shape, self.content_hash)
+        # its A and B^T row offsets of the modules it changes alone, as a step's LoRA tables
+        # stack them (lora_batch.RunGroup): for q,v adapters 2 of the 7 modules' rows
+        rows = [MODULES.index(module) for module in changed_modules(self.targets)]
+        self.a_changed = self.a_offsets[:, rows].contiguous()
+        self.b_changed = self.b_offsets[:, rows].contiguous()
 
     @property
     def pinned(self) -> bool:
