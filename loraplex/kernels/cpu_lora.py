@@ -339,8 +339,9 @@ class CpuLoRAKernel(_PerDtype):
 
 
 class BoundLoRA:
-    """CpuLoRAKernel.bind's call: the kernel on rows start..end of x and y, its other arguments
-    converted once into one LoRABinding (and their tensors held as long as the call)."""
+    """A call of CpuLoRAKernel.bind (or of bind_layers): the kernel on rows start..end of x and
+    y, its other arguments converted once into one LoRABinding (and their tensors held as long
+    as the call)."""
 
     def __init__(self, function, pool, a_rows, b_rows, slots, rank, scales, outputs, start, end):
         held = (pool, a_rows, b_rows, slots, scales, outputs)

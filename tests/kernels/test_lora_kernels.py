@@ -449,13 +449,16 @@ def test_calls_bound_for_every_layer_at_once_are_each_layers_call(dtype):
     # three layers: the tables as they are, their runs in another order, then no call at all
     order = torch.tensor([2, 0, 3, 1])
     other_a, other_b = (t.view(3, 4, rank)[:, order].reshape(3, -1) for t in (a_rows, b_rows))
-    layers_a = torch.stack([a_rows, other_a, a_rows])
-    layers_b = torch.stack([b_rows, other_b, b_rows])
+    # each layer's tables inside a wider one, so that a layer's stride is not its table's size
+    layers_a, layers_b = (torch.zeros(3, 5, t.shape[1], dtype=t.dtype) for t in (a_rows, b_rows))
+    layers_a[:, :3] = torch.stack([a_rows, other_a, a_rows])
+    layers_b[:, :3] = torch.stack([b_rows, other_b, b_rows])
+    layers_a, layers_b = layers_a[:, :3], layers_b[:, :3]
     outputs = cpu_lora.Outputs([(0, columns[0], widths[0]), (2, columns[2], widths[2])])
     tables = (pool, layers_a, layers_b, slots, rank, scales)
     calls = kernel.bind_layers(*tables, [outputs, outputs, None], 0, 6)
     assert calls[2] is None
-    for call, a, b in zip(calls[:2], (a_rows, other_a), (b_rows, other_b), strict=False):
+    for call, a, b in zip(calls[:2], (a_rows, other_a), (b_rows, other_b), strict=True):
         want, got = y.clone(), y.clone()
         kernel.bind(pool, a, b, slots, rank, scales, outputs, 0, 6)(x, want)
         call(x, got)

@@ -342,7 +342,8 @@ def _row_addresses(
     """[layers, modules, kind, rank]: the addresses of the adapter's rows a native LoRA call
     with these outputs reads (A; B^T too unless shrinks_only), kept with the adapter, whose
     rows never move while it is resident. A step's fetch ranges stack them: worked out from
-    its tables every time, they took three times as long."""
+    its tables every time, they took three times as long. The pool the adapter's rows are in
+    is the one the step's calls are bound to (the engine has one, settings.pool)."""
     key = (outputs.table_key, shrinks_only)
     if key not in adapter.row_addresses:
         tables = (adapter.a_changed,) if shrinks_only else (adapter.a_changed, adapter.b_changed)
