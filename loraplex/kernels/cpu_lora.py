@@ -276,12 +276,9 @@ class CpuLoRAKernel(_PerDtype):
         (layer, projection) once per batch composition and calls it every layer of every step
         (with the rows in cache, a q,v call of 32 tokens takes about 15 us in C; checking and
         converting its arguments, and slicing the rows, took about 5 us more each time)."""
-        self._check(a_rows, b_rows, slots, rank, start, end)
-        if outputs.table_rows > (a_rows.shape[0] if a_rows.dim() == 2 else 1):
-            raise ValueError("the outputs do not fit the row tables")
-        function = self._functions[pool.dtype]
-        tables = (pool, a_rows, b_rows, slots, rank, scales, outputs)
-        return BoundLoRA(function, *tables, start, end)
+        a_layer, b_layer = (t[(None,) * (3 - t.dim())] for t in (a_rows, b_rows))  # one layer
+        tables = (pool, a_layer, b_layer, slots, rank, scales)
+        return self.bind_layers(*tables, [outputs], start, end)[0]
 
     def bind_layers(
         self,
@@ -302,40 +299,25 @@ class CpuLoRAKernel(_PerDtype):
         own, with the caches cold after the step before."""
         if a_rows.dim() != 3 or len(outputs) != a_rows.shape[0]:
             raise ValueError("the row tables need a layer each, and outputs for every layer")
-        self._check(a_rows, b_rows, slots, rank, start, end)
-        if any(o is not None and o.table_rows > a_rows.shape[1] for o in outputs):
-            raise ValueError("the outputs do not fit the row tables")
-        function, dtype = self._functions[pool.dtype], pool.dtype
-        held = (pool, a_rows, b_rows, slots, scales)
-        a_step, b_step = (t.stride(0) * t.element_size() for t in (a_rows, b_rows))
-        a_at, b_at, mstride = a_rows.data_ptr(), b_rows.data_ptr(), a_rows.stride(1)
-        pointers = (pool.data_ptr(), slots.data_ptr(), rank, scales.data_ptr())
-        calls: list[BoundLoRA | None] = []
-        for i, o in enumerate(outputs):
-            at = (a_at + i * a_step, b_at + i * b_step, mstride, *pointers)
-            bound = (
-                None
-                if o is None
-                else BoundLoRA.of_pointers(function, dtype, (*held, o), o, start, end, *at)
-            )
-            calls.append(bound)
-        return calls
-
-    @staticmethod
-    def _check(
-        a_rows: torch.Tensor,
-        b_rows: torch.Tensor,
-        slots: torch.Tensor,
-        rank: int,
-        start: int,
-        end: int,
-    ) -> None:
         if rank > MAX_RANK:
             raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")
         if a_rows.stride(-1) != 1 or slots.numel() != end - start:
             raise ValueError("the row tables need unit column stride, and one slot a row")
+        if any(o is not None and o.table_rows > a_rows.shape[1] for o in outputs):
+            raise ValueError("the outputs do not fit the row tables")
         if a_rows.shape != b_rows.shape or a_rows.stride() != b_rows.stride():
             raise ValueError("a_rows and b_rows differ in layout")
+        function, held = self._functions[pool.dtype], (pool, a_rows, b_rows, slots, scales)
+        step = a_rows.stride(0) * a_rows.element_size()  # b_rows' too (the same layout)
+        a_at, b_at = a_rows.data_ptr(), b_rows.data_ptr()
+        tables = (a_rows.stride(1), pool.data_ptr(), slots.data_ptr(), rank, scales.data_ptr())
+        threads = torch.get_num_threads()
+        calls: list[BoundLoRA | None] = []
+        for i, o in enumerate(outputs):
+            at = (a_at + i * step, b_at + i * step, *tables)
+            args = (function, pool.dtype, (*held, o), o, start, end, threads, *at)
+            calls.append(None if o is None else BoundLoRA(*args))
+        return calls
 
 
 class BoundLoRA:
@@ -343,30 +325,18 @@ class BoundLoRA:
     y, its other arguments converted once into one LoRABinding (and their tensors held as long
     as the call)."""
 
-    def __init__(self, function, pool, a_rows, b_rows, slots, rank, scales, outputs, start, end):
-        held = (pool, a_rows, b_rows, slots, scales, outputs)
-        tables = (a_rows.data_ptr(), b_rows.data_ptr(), a_rows.stride(0))
-        pointers = (pool.data_ptr(), slots.data_ptr(), rank, scales.data_ptr())
-        self._set(function, pool.dtype, held, outputs, start, end, *tables, *pointers)
-
-    @classmethod
-    def of_pointers(cls, function, dtype, held, outputs, start, end, *binding) -> BoundLoRA:
-        """The call on the tables at the addresses `binding` (a_rows, b_rows, their module
-        stride, then the pool, slots, rank, scales), whose tensors `held` holds."""
-        bound = cls.__new__(cls)
-        bound._set(function, dtype, held, outputs, start, end, *binding)
-        return bound
-
-    def _set(
-        self, function, dtype, held, outputs, start, end, a_at, b_at, mstride, pool, slots, rank,
-        scales,
+    def __init__(
+        self, function, dtype, held, outputs, start, end, threads, a_rows, b_rows, mstride, pool,
+        slots, rank, scales,
     ) -> None:  # fmt: skip
+        """The call on the tables at the addresses given (a_rows, b_rows, their module stride,
+        the pool, slots, scales), whose tensors `held` holds."""
         self._function, self._dtype = function, dtype
         self._end, self._columns = end, outputs.end
         self._tensors = held  # the tensors the binding points into, alive as long as the call
         self._binding = LoRABinding(
-            start, end, outputs.count, *outputs.pointers, pool, a_at, b_at, mstride, slots, rank,
-            scales, torch.get_num_threads(),
+            start, end, outputs.count, *outputs.pointers, pool, a_rows, b_rows, mstride, slots,
+            rank, scales, threads,
         )  # fmt: skip
         self.binding = ctypes.addressof(self._binding)  # what the kernels take
         self.empty = end == start
