@@ -38,9 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "loraplex/kernels/cpu"
 
 
-def build_at(revision: str | None, folder: Path, march: str = "native") -> ctypes.CDLL:
+def build_at(
+    revision: str | None, folder: Path, march: str = "native", defines: tuple[str, ...] = ()
+) -> ctypes.CDLL:
     """The kernels' library built from their sources at `revision` (None: the working tree's),
-    with this machine's flags, or for the x86-64 target `march` in place of -march=native."""
+    with this machine's flags, or for the x86-64 target `march` in place of -march=native, and
+    the macros `defines` defined."""
     from loraplex.kernels import cpu_lora
 
     if revision is None:
@@ -56,6 +59,7 @@ def build_at(revision: str | None, folder: Path, march: str = "native") -> ctype
     sources = sorted(folder / name for name in listing if name.endswith(".c"))
     command = cpu_lora.compile_command(cpu_lora._compiler(), sources, target)
     command = [f"-march={march}" if flag == "-march=native" else flag for flag in command]
+    command[1:1] = [f"-D{name}" for name in defines]
     subprocess.run(command, check=True)
     return ctypes.CDLL(str(target))
 

@@ -14,6 +14,32 @@
  * 207), bfloat16: 32 requests 1.17x on the base model, 1.14x on 32 q,v adapters, 1.17x on 32
  * all-module ones. */
 
+/* Built with LAYER_STAGE_TIMERS (benchmarks/step_stages.py's build, never the engine's): the
+ * nanoseconds each stage of a layer took (the q,k,v projection with its LoRA, the rotary write,
+ * the attention, o, the norm, gate_up, SiLU, down, the next norm), summed over every layer and
+ * call since the caller cleared them. */
+#define LAYER_STAGES 9
+#if defined(LAYER_STAGE_TIMERS)
+#include <time.h>
+int64_t layer_stage_nanoseconds[LAYER_STAGES];
+int64_t *layer_stage_timers(void) { return layer_stage_nanoseconds; }
+static inline int64_t stage_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+#define STAGE_START int64_t stage_clock = stage_now();
+#define STAGE_END(i)                                                                             \
+    {                                                                                            \
+        const int64_t stage_then = stage_clock;                                                  \
+        stage_clock = stage_now();                                                               \
+        layer_stage_nanoseconds[i] += stage_clock - stage_then;                                  \
+    }
+#else
+#define STAGE_START
+#define STAGE_END(i)
+#endif
+
 /* One layer's weights, of the step's dtype: its projections packed for the native projection
  * (linear_bf16, linear_f32; biases or NULL), the norm after attention, the next layer's input
  * norm (NULL on the last layer) and the layer's KV cache. */
@@ -91,28 +117,38 @@ typedef struct {
         for (int64_t i = 0; i < num_layers; i++) {                                             \
             const DecoderLayer *l = &layers[i];                                                \
             const LayerLoRA *a = lora != NULL ? &lora[i] : NULL;                               \
+            STAGE_START                                                                        \
             OR_RETURN(project_##S(x, m, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,            \
                                   a != NULL ? &a->qkv : NULL, num_threads));                   \
+            STAGE_END(0)                                                                       \
             OR_RETURN(rope_write_##S(qkv, qkv_size, m, s->heads, s->kv_heads, s->dim, s->cos,  \
                                      s->sin, s->max_positions, step->positions, q, l->kv,      \
                                      s->page_stride, step->slot_pages, step->slot_offsets,     \
                                      num_threads));                                            \
+            STAGE_END(1)                                                                       \
             OR_RETURN(attend_decode_##S(q, attended, l->kv, s->page_stride, step->tables,      \
                                         step->table_stride, step->lens, m, s->heads,           \
                                         s->kv_heads, s->dim, s->page_size, s->scale,           \
                                         num_threads));                                         \
+            STAGE_END(2)                                                                       \
             OR_RETURN(project_##S(attended, m, q_size, l->o, hidden, NULL, o,                  \
                                   a != NULL ? &a->o : NULL, num_threads));                     \
+            STAGE_END(3)                                                                       \
             add_rms_norm_##S(residual, o, l->post_attention_norm, x, m, hidden, s->eps,        \
                              num_threads);                                                     \
+            STAGE_END(4)                                                                       \
             OR_RETURN(project_##S(x, m, hidden, l->gate_up, 2 * inter, NULL, gate_up,          \
                                   a != NULL ? &a->gate_up : NULL, num_threads));               \
+            STAGE_END(5)                                                                       \
             silu_mul_##S(gate_up, 2 * inter, m, inter, act, num_threads);                      \
+            STAGE_END(6)                                                                       \
             OR_RETURN(project_##S(act, m, inter, l->down, hidden, NULL, down,                  \
                                   a != NULL ? &a->down : NULL, num_threads));                  \
+            STAGE_END(7)                                                                       \
             if (l->next_input_norm != NULL)                                                    \
                 add_rms_norm_##S(residual, down, l->next_input_norm, x, m, hidden, s->eps,     \
                                  num_threads);                                                 \
+            STAGE_END(8)                                                                       \
         }                                                                                      \
         return 0;                                                                              \
     }
