@@ -135,16 +135,21 @@ def choose_ops(device: str, dtype: torch.dtype):
 
 
 def choose_argmax(device: str):
-    """Greedy sampling's argmax over a step's float32 logits [n, vocab] -> int64 [n] (the first
-    of equal values): on CPU the native kernel where it builds (torch's max with indices is a
-    scalar loop there), else torch's."""
+    """Greedy sampling's argmax over a step's logits [n, vocab] -> int64 [n] (the first of equal
+    values), and its `greedy` (the picks and whether each row is finite, in one pass; None where
+    it has none): on CPU the native kernel where it builds (torch's max with indices is a scalar
+    loop there), else torch's."""
     kernel = cpu_lora.load_argmax() if device == "cpu" else None
-    return kernel if kernel is not None else _torch_argmax
+    return kernel if kernel is not None else _TorchArgmax()
 
 
-def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
-    # max's indices are argmax's (the first best on a tie), in a third of the time on CPU
-    return logits.max(dim=-1).indices
+class _TorchArgmax:
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        # max's indices are argmax's (the first best on a tie), in a third of the time on CPU
+        return logits.max(dim=-1).indices
+
+    def greedy(self, logits: torch.Tensor) -> None:
+        return None  # the runner finds the rows that are not finite in a pass of its own
 
 
 # Row count oneDNN tunes the packed layout for; any row count works.

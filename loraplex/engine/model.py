@@ -225,9 +225,13 @@ class CausalLM:
         return layers, shape
 
     @torch.inference_mode()
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_sampled, hidden] -> [num_sampled, vocab] in the serving dtype."""
+        return self.lm_head(hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> [num_sampled, vocab] in float32."""
-        return self.lm_head(hidden).float()
+        return self.head(hidden).float()
 
     def _lora_steps(self, batch: ForwardBatch, x: torch.Tensor) -> BatchSteps:
         """What each layer's projections take from the batch's LoRA metadata, decided once for

@@ -24,6 +24,19 @@ class Sampler:
         self._shared_generator = torch.Generator().manual_seed(seed)
         self._argmax = argmax
 
+    def greedy(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: Masks | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where every one of `seqs` samples greedily, nothing changes its logits first (no
+        penalty, logit bias or structured-output mask) and none asks for log-probabilities:
+        each row's token (int64) and whether its logits are all finite (bool), from one pass
+        over `logits` in the dtype the model gave them (bfloat16 needs no float32 copy). None
+        otherwise, or where the argmax has no such pass: then the runner takes float32 logits
+        to __call__."""
+        if masks is not None or not all(_plain_greedy(seq.params) for seq in seqs):
+            return None
+        return self._argmax.greedy(logits)
+
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], masks: Masks | None = None
     ) -> list[tuple[int, TokenLogprob | None]]:
@@ -72,6 +85,14 @@ class Sampler:
             ]
         )
         return (probs / noise).argmax(dim=-1)
+
+
+def _plain_greedy(params) -> bool:
+    """Whether a sequence's pick is the argmax of its raw logits and asks for nothing more."""
+    return (
+        params.greedy and params.logprobs is None and not params.has_penalties
+        and not params.logit_bias
+    )  # fmt: skip
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -712,3 +712,27 @@ def test_native_argmax_picks_the_token_torch_max_picks(argmax_build, vocab):
     # one row, and rows torch keeps (another dtype)
     assert torch.equal(argmax_build(rows[:1]), want[:1])
     assert torch.equal(argmax_build(rows.double()), want)
+    # bfloat16 logits, read as they are: the pick over their float32 copy
+    rounded = rows.bfloat16()
+    assert torch.equal(argmax_build(rounded), rounded.float().max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 17, 33, 49157])
+def test_greedy_pass_flags_the_rows_that_are_not_finite(argmax_build, dtype, vocab):
+    """A greedy step's one pass over its logits: each row's pick, as torch.max picks it from the
+    float32 logits, and whether every logit of the row is finite (a row holding an infinity or a
+    NaN anywhere, first, last or in the vector part, fails its sequence; the others sample)."""
+    generator = torch.Generator().manual_seed(vocab)
+    rows = (torch.randn(9, vocab + 5, generator=generator) * 8)[:, 5:].to(dtype)
+    rows[1, -1] = float("inf")
+    rows[2, 0] = float("-inf")
+    rows[3, vocab // 2] = float("nan")
+    rows[4, vocab // 3] = float("-inf")
+    rows[5] = float("-inf")
+    rows[6, -1] = float("nan")
+    picks, finite = argmax_build.greedy(rows)
+    assert torch.equal(picks, rows.float().max(dim=-1).indices)
+    assert finite.tolist() == torch.isfinite(rows.float()).all(dim=-1).tolist()
+    assert finite.tolist() == [True] + [False] * 6 + [True, True]
+    assert argmax_build.greedy(rows.double()) is None  # a dtype it does not take

@@ -266,50 +266,94 @@ DEFINE_ROPE_WRITE(rope_write_f32, float, rope_head_f32)
  * (rows row_stride apart): the first of equal ones, or the first NaN of a row that has one, as
  * torch.max(dim=-1) picks. torch's max with indices is a scalar loop on CPU (0.4 ms for 32 rows
  * of a 49,152-token vocabulary, against 0.04 ms for a max without them); here sixteen lanes
- * each keep their own first best and its index, and the lanes are compared once at the end. */
-static int64_t first_nan(const float *x, int64_t n) {
-    for (int64_t k = 0; k < n; k++)
-        if (isnan(x[k])) return k;
-    return -1;
-}
-
-static int64_t argmax_row(const float *x, int64_t n) {
-    int64_t best = 0, k = 1;
-    float top = x[0];
-    int nan = isnan(top);
+ * each keep their own first best and its index, and the lanes are compared once at the end.
+ *
+ * With `finite` (else NULL), finite[i] = whether every element of row i is finite, from the same
+ * pass: the runner fails a sequence whose logits hold a NaN or an infinity and samples the
+ * others. bfloat16 rows are read widened to float32, which is exact, so the pick is the one over
+ * their float32 copy; a greedy step then needs neither that copy nor a pass of its own to find
+ * rows that are not finite. On a 2-core Xeon with AMX, 32 rows of SmolLM2's vocabulary after
+ * the LM head: the copy 0.24 ms, a sum a row to find the rows that are not finite 0.26 ms, the
+ * float32 argmax 0.15 ms. */
+static inline float f32_at(const float *x, int64_t k) { return x[k]; }
+static inline float bf16_at(const uint16_t *x, int64_t k) { return bf16_to_f32(x[k]); }
 #if defined(__AVX512F__)
-    if (n >= 32) {
-        __m512 tops = _mm512_loadu_ps(x);
-        const __m512i sixteen = _mm512_set1_epi32(16);
-        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512i where = at;
-        __mmask16 nans = _mm512_cmp_ps_mask(tops, tops, _CMP_UNORD_Q);
-        for (k = 16; k + 16 <= n; k += 16) {
-            const __m512 v = _mm512_loadu_ps(x + k);
-            at = _mm512_add_epi32(at, sixteen);
-            const __mmask16 above = _mm512_cmp_ps_mask(v, tops, _CMP_GT_OQ);
-            nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            tops = _mm512_mask_mov_ps(tops, above, v);
-            where = _mm512_mask_mov_epi32(where, above, at);
-        }
-        top = _mm512_reduce_max_ps(tops);
-        const __mmask16 equal = _mm512_cmp_ps_mask(tops, _mm512_set1_ps(top), _CMP_EQ_OQ);
-        best = _mm512_mask_reduce_min_epi32(equal, where);
-        nan = nans != 0;
-    }
+static inline __m512 f32_16(const float *x) { return _mm512_loadu_ps(x); }
+static inline __m512 bf16_16(const uint16_t *x) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 #endif
-    for (; k < n && !nan; k++) {
-        nan = isnan(x[k]);
-        if (x[k] > top) {
-            top = x[k];
-            best = k;
-        }
-    }
-    return nan ? first_nan(x, n) : best;
-}
 
-void argmax_rows_f32(const float *x, int64_t n, int64_t vocab, int64_t row_stride, int64_t *out,
-                     int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n >= 4)
-    for (int64_t i = 0; i < n; i++) out[i] = argmax_row(x + i * row_stride, vocab);
-}
+#define DEFINE_ARGMAX_ROW(NAME, T, AT, LOAD16)                                                   \
+    static int64_t NAME##_first_nan(const T *x, int64_t n) {                                     \
+        for (int64_t k = 0; k < n; k++)                                                          \
+            if (isnan(AT(x, k))) return k;                                                       \
+        return -1;                                                                               \
+    }                                                                                            \
+                                                                                                 \
+    /* the row's pick, and in *finite whether all of it is finite */                             \
+    static int64_t NAME(const T *x, int64_t n, int *finite) {                                    \
+        int64_t best = 0, k = 1;                                                                 \
+        float top = AT(x, 0);                                                                    \
+        int nan = isnan(top), infinite = isinf(top);                                             \
+        VECTOR_PART(T, LOAD16)                                                                   \
+        for (; k < n && !nan; k++) {                                                             \
+            const float v = AT(x, k);                                                            \
+            nan = isnan(v), infinite |= isinf(v);                                                \
+            if (v > top) {                                                                       \
+                top = v;                                                                         \
+                best = k;                                                                        \
+            }                                                                                    \
+        }                                                                                        \
+        *finite = !nan && !infinite;                                                             \
+        return nan ? NAME##_first_nan(x, n) : best;                                              \
+    }
+
+#if defined(__AVX512F__)
+/* Sixteen lanes at a time, while 16 are left; a NaN or an infinity is flagged by its magnitude,
+ * which is not below infinity */
+#define VECTOR_PART(T, LOAD16)                                                                   \
+    if (n >= 32) {                                                                               \
+        __m512 tops = LOAD16(x);                                                                 \
+        const __m512i sixteen = _mm512_set1_epi32(16);                                           \
+        const __m512 inf = _mm512_set1_ps(INFINITY);                                             \
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);    \
+        __m512i where = at;                                                                      \
+        __mmask16 nans = _mm512_cmp_ps_mask(tops, tops, _CMP_UNORD_Q);                           \
+        __mmask16 bad = _mm512_cmp_ps_mask(_mm512_abs_ps(tops), inf, _CMP_NLT_UQ);               \
+        for (k = 16; k + 16 <= n; k += 16) {                                                     \
+            const __m512 v = LOAD16(x + k);                                                      \
+            at = _mm512_add_epi32(at, sixteen);                                                  \
+            const __mmask16 above = _mm512_cmp_ps_mask(v, tops, _CMP_GT_OQ);                     \
+            nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                      \
+            bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(v), inf, _CMP_NLT_UQ);                       \
+            tops = _mm512_mask_mov_ps(tops, above, v);                                           \
+            where = _mm512_mask_mov_epi32(where, above, at);                                     \
+        }                                                                                        \
+        top = _mm512_reduce_max_ps(tops);                                                        \
+        const __mmask16 equal = _mm512_cmp_ps_mask(tops, _mm512_set1_ps(top), _CMP_EQ_OQ);       \
+        best = _mm512_mask_reduce_min_epi32(equal, where);                                       \
+        nan = nans != 0, infinite = bad != 0;                                                    \
+    }
+DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, f32_16)
+DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, bf16_16)
+#else
+#define VECTOR_PART(T, LOAD16)
+DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, )
+DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, )
+#endif
+#undef VECTOR_PART
+
+#define DEFINE_ARGMAX_ROWS(NAME, T, ROW)                                                         \
+    void NAME(const T *x, int64_t n, int64_t vocab, int64_t row_stride, int64_t *out,            \
+              uint8_t *finite, int num_threads) {                                                \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (n >= 4)")       \
+        for (int64_t i = 0; i < n; i++) {                                                        \
+            int all_finite;                                                                      \
+            out[i] = ROW(x + i * row_stride, vocab, &all_finite);                                \
+            if (finite != NULL) finite[i] = (uint8_t)all_finite;                                 \
+        }                                                                                        \
+    }
+DEFINE_ARGMAX_ROWS(argmax_rows_f32, float, argmax_row_f32)
+DEFINE_ARGMAX_ROWS(argmax_rows_bf16, uint16_t, argmax_row_bf16)

@@ -1,0 +1,92 @@
+"""A greedy step's pick in one pass over the logits as the model gives them, against the float32
+copy, a pass to find the rows that are not finite and the argmax, alternated in one process.
+
+    python benchmarks/greedy_pick.py [--dtype auto|bfloat16|float32] [--rounds 6]
+
+Workload: SmolLM2 on the base model, 32 sequences decoding together (64-token prompts, greedy,
+EOS ignored). The engine's way (Sampler.greedy: cpu/ops.c's argmax, reading bfloat16 logits
+widened, with each row's finiteness from the same pass) and the way before it (Sampler.greedy
+off: the logits copied to float32, a sum a row for finiteness, then the argmax) take turns step
+by step, then whole runs of 32 requests of 64 new tokens take turns, `--rounds` pairs, each run
+on prompts of its own. Prints the medians and the paired differences and ratios. Both ways pick
+the same tokens: the argmax of bfloat16 values and of their float32 copies is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from engine_throughput import make_prompts
+from lora_floor import add_decoding
+
+SEQUENCES, PROMPT_TOKENS, NEW_TOKENS = 32, 64, 64
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--steps", type=int, default=60, help="pairs of decode steps")
+    parser.add_argument("--rounds", type=int, default=6, help="pairs of whole runs")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+
+    from loraplex import LLM, SamplingParams
+    from loraplex.engine.sampler import Sampler
+
+    llm = LLM(model="default", dtype=args.dtype)
+    engine, one_pass = llm.engine, Sampler.greedy
+    ways = {"one pass": one_pass, "float32 copy": lambda *args, **kwargs: None}
+    names = list(ways)
+    prompts = make_prompts(llm.tokenizer, SEQUENCES * (1 + 2 * args.rounds), PROMPT_TOKENS)
+    batches = [prompts[i : i + SEQUENCES] for i in range(0, len(prompts), SEQUENCES)]
+
+    add_decoding(engine, batches[0], [], 2 * args.steps + 24)
+    started: set[str] = set()
+    while len(started) < SEQUENCES:
+        started |= {delta.request_id for delta in engine.step()}
+    steps: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(args.steps):
+        for name in names if i % 2 == 0 else names[::-1]:
+            Sampler.greedy = ways[name]
+            begun = time.perf_counter()
+            engine.step()
+            steps[name].append(time.perf_counter() - begun)
+    Sampler.greedy = one_pass
+    while engine.has_unfinished():
+        engine.step()
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    fresh = iter(batches[1:])
+    for i in range(args.rounds):
+        for name in names if i % 2 == 0 else names[::-1]:
+            Sampler.greedy = ways[name]
+            begun = time.perf_counter()
+            llm.generate(next(fresh), params)
+            runs[name].append(SEQUENCES * NEW_TOKENS / (time.perf_counter() - begun))
+    Sampler.greedy = one_pass
+
+    ours, theirs = names
+    dtype = str(engine.config.torch_dtype).removeprefix("torch.")
+    print(f"model SmolLM2, {dtype}, 2 threads, base model, {SEQUENCES} sequences, greedy")
+    differences = [a - b for a, b in zip(steps[ours], steps[theirs], strict=True)]
+    print(
+        f"decode step: {ours} {statistics.median(steps[ours]) * 1e3:.2f} ms, {theirs} "
+        f"{statistics.median(steps[theirs]) * 1e3:.2f} ms, difference "
+        f"{statistics.median(differences) * 1e3:+.3f} ms (median of {args.steps} pairs)"
+    )
+    ratios = [a / b for a, b in zip(runs[ours], runs[theirs], strict=True)]
+    print(
+        f"whole runs ({SEQUENCES} x {PROMPT_TOKENS} + {NEW_TOKENS} tokens): {ours} "
+        f"{statistics.median(runs[ours]):.1f} tok/s, {theirs} {statistics.median(runs[theirs]):.1f}"
+        f" tok/s, {statistics.median(ratios):.3f}x (median of {args.rounds} pairs)"
+    )
+
+
+if __name__ == "__main__":
+    main()
