@@ -9,20 +9,63 @@ widened, with each row's finiteness from the same pass) and the way before it (S
 off: the logits copied to float32, a sum a row for finiteness, then the argmax) take turns step
 by step, then whole runs of 32 requests of 64 new tokens take turns, `--rounds` pairs, each run
 on prompts of its own. Prints the medians and the paired differences and ratios. Both ways pick
-the same tokens: the argmax of bfloat16 values and of their float32 copies is the same.
+the same tokens (tests/kernels: the pass's picks are the float32 argmax's).
+
+First, the same two ways timed alone on 32 rows of random logits of SmolLM2's vocabulary, read
+from L3 (a 64 MiB read between calls), in this machine's build of the kernels and in the build
+for x86-64-v3 (AVX2, no AVX-512: its argmax is a scalar loop), float32 and bfloat16.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
+from kernel_ab import build_at
 from lora_floor import add_decoding
 
 SEQUENCES, PROMPT_TOKENS, NEW_TOKENS = 32, 64, 64
+VOCAB = 49152  # SmolLM2's
+
+
+def alone(rounds: int = 100) -> None:
+    """The two ways on their own, alternated, in this machine's build and the x86-64-v3 one."""
+    from loraplex.kernels import cpu_lora
+
+    flush = torch.ones(16 * 2**20)  # 64 MiB, more than the caches that are the process's own
+    with tempfile.TemporaryDirectory() as tmp:
+        for march in ("native", "x86-64-v3"):
+            (Path(tmp) / march).mkdir()
+            argmax = cpu_lora.CpuArgmax(build_at(None, Path(tmp) / march, march=march))
+            for dtype in (torch.float32, torch.bfloat16):
+                logits = (torch.randn(SEQUENCES, VOCAB) * 4).to(dtype)
+                times = _alone_times(argmax, logits, flush, rounds)
+                listed = ", ".join(f"{n} {statistics.median(t) * 1e3:.3f} ms" for n, t in times)
+                print(f"alone, {march} build, {str(dtype).removeprefix('torch.')}: {listed}")
+
+
+def _alone_times(argmax, logits: torch.Tensor, flush: torch.Tensor, rounds: int) -> list:
+    """[(way, its seconds a call)] for the pass and the float32 copy on `logits`."""
+
+    def copy():
+        widened = logits.float()
+        bool(torch.isfinite(widened.sum(dim=-1)).all())
+        return argmax(widened)
+
+    ways = {"one pass": lambda: argmax.greedy(logits), "float32 copy": copy}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for i in range(rounds):
+        for name in list(ways) if i % 2 == 0 else list(ways)[::-1]:
+            flush.sum()  # the logits out of the cores' caches, as after an LM head
+            begun = time.perf_counter()
+            ways[name]()
+            times[name].append(time.perf_counter() - begun)
+    return list(times.items())
 
 
 def main() -> None:
@@ -34,6 +77,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="pairs of whole runs")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    alone()
 
     from loraplex import LLM, SamplingParams
     from loraplex.engine.sampler import Sampler

@@ -5,15 +5,17 @@
 Builds the working tree's kernels with LAYER_STAGE_TIMERS (cpu/layers.c: a clock around each
 stage of every layer, compiled out of the engine's build) and runs the engine on that build: 32
 sequences decoding together (64-token prompts) on 32 distinct rank-16 adapters, each step with
-LoRA followed by the same batch with LoRA skipped (lora_floor.LoRASwitch). Prints, for each
-stage summed over the layers, the median time of a base step and of a step with adapters and the
-median of the pairs' differences; for the projections and the attention, what a base step reads
-there (weights, the KV cache) and at what rate; the step's time outside the layers' native call
-(the embedding, the LM head, sampling and the engine's Python); and the box's read bandwidth.
+LoRA paired with the same batch with LoRA skipped (lora_floor.LoRASwitch), each first in turn.
+Prints, for each stage summed over the layers, the median time of a base step and of a step
+with adapters and the median of the pairs' differences; for the projections and the attention,
+what a base step reads there (weights, the KV cache) and at what rate; the step's time outside
+the layers' native call (the embedding, the LM head, sampling and the engine's Python); and the
+box's read bandwidth.
 
 A stage that reads below the box's bandwidth has memory to spare, where an adapter's rows could
 be fetched while it runs; one near it has none. On a 2-core Xeon with AMX, the projections read
-at 17-21 GB/s of the box's 25 and the attention at 13 (docs/performance.md).
+at 17-22 GB/s of the box's 25.7 and the attention at 16 (docs/performance.md). Each stage's
+median is its own: they need not add up to the step's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from engine_throughput import make_prompts
 from kernel_ab import build_at
 from lora_floor import ALL, QV, BandwidthProbe, LoRASwitch, add_decoding, load_random_adapters
 
-STAGES = ("q,k,v", "rotary write", "attention", "o", "norm", "gate_up", "SiLU", "down", "norm")
+STAGES = (
+    "q,k,v", "rotary write", "attention", "o", "post-attention norm", "gate_up", "SiLU", "down",
+    "next input norm",
+)  # fmt: skip
 
 
 def stage_reads(config, dtype: torch.dtype, context: float) -> dict[int, float]:
@@ -88,6 +93,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         timed = build_at(None, Path(tmp), defines=("LAYER_STAGE_TIMERS",))
         cpu_lora.library = lambda: timed  # every kernel the engine loads comes from this build
+        if timed.layer_stages() != len(STAGES):
+            raise SystemExit(f"cpu/layers.c times {timed.layer_stages()} stages, not {len(STAGES)}")
         timed.layer_stage_timers.restype = ctypes.POINTER(ctypes.c_int64 * len(STAGES))
         stages = timed.layer_stage_timers().contents
         probe = BandwidthProbe()
@@ -101,9 +108,9 @@ def main() -> None:
             engine.step()
         samples: dict[bool, list[list[float]]] = {True: [], False: []}
         context = []
-        for _ in range(args.steps):
+        for i in range(args.steps):
             context.append(sum(seq.num_tokens for seq in engine.scheduler.running))
-            for on in (True, False):
+            for on in (True, False) if i % 2 == 0 else (False, True):
                 switch.on, native.seconds = on, 0.0
                 ctypes.memset(stages, 0, ctypes.sizeof(stages))
                 started = time.perf_counter()

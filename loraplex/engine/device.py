@@ -21,11 +21,15 @@ import ctypes
 import functools
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_lora
+
+if TYPE_CHECKING:
+    from loraplex.engine.sampler import Argmax
 
 LORA_BACKENDS = ("native", "torch", "triton", "reference")
 # CPU flags meaning bfloat16 matrix products run natively (Intel AMX, AVX512-BF16 on Intel and
@@ -134,7 +138,7 @@ def choose_ops(device: str, dtype: torch.dtype):
     return cpu_lora.load_ops()
 
 
-def choose_argmax(device: str):
+def choose_argmax(device: str) -> Argmax:
     """Greedy sampling's argmax over a step's logits [n, vocab] -> int64 [n] (the first of equal
     values), and its `greedy` (the picks and whether each row is finite, in one pass; None where
     it has none): on CPU the native kernel where it builds (torch's max with indices is a scalar

@@ -229,6 +229,7 @@ class CausalLM:
         """[num_sampled, hidden] -> [num_sampled, vocab] in the serving dtype."""
         return self.lm_head(hidden)
 
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> [num_sampled, vocab] in float32."""
         return self.head(hidden).float()

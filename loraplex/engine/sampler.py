@@ -9,18 +9,28 @@ Log-probabilities are those of the model's raw distribution.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
+from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.sequence import Sequence, TokenLogprob
 from loraplex.engine.structured import Masks
 
 
+class Argmax(Protocol):
+    """Greedy sampling's pick (device.choose_argmax)."""
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] float32 -> int64 [n], the first best of each row."""
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """[n, vocab] float32 or bfloat16 -> the picks and whether each row is all finite, from
+        one pass; None where it has no such pass for these logits."""
+
+
 class Sampler:
-    def __init__(self, seed: int, argmax: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """`argmax`: [n, vocab] float32 -> int64 [n], the first best of each row
-        (device.choose_argmax)."""
+    def __init__(self, seed: int, argmax: Argmax) -> None:
         self._shared_generator = torch.Generator().manual_seed(seed)
         self._argmax = argmax
 
@@ -87,7 +97,7 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def _plain_greedy(params) -> bool:
+def _plain_greedy(params: SamplingParams) -> bool:
     """Whether a sequence's pick is the argmax of its raw logits and asks for nothing more."""
     return (
         params.greedy and params.logprobs is None and not params.has_penalties

@@ -93,6 +93,28 @@ def test_penalties_reduce_repetition(tiny):
     assert frequency > plain and presence > plain
 
 
+def test_greedy_requests_in_one_batch_each_get_what_they_ask(tiny):
+    """Greedy requests side by side: a plain one gets the tokens it gets alone, one with a logit
+    bias its forced token, one with logprobs its logprobs, one with a penalty fewer repeats. A
+    step that picked for them all as for the plain one would fail here."""
+    prompt = "the the the"
+    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    plain = SamplingParams(**greedy)
+    alone = tiny.generate([prompt], plain)[0].outputs[0].token_ids
+    asks = [
+        plain,
+        SamplingParams(**greedy, logit_bias={42: 100.0}),
+        SamplingParams(**greedy, logprobs=2),
+        SamplingParams(**greedy, presence_penalty=2.0),
+    ]
+    outs = [out.outputs[0] for out in tiny.generate([prompt] * len(asks), asks)]
+    assert outs[0].token_ids == alone
+    assert outs[1].token_ids == [42] * 12
+    assert outs[2].token_ids == alone and len(outs[2].logprobs) == 12
+    assert all(len(entry.top) == 2 for entry in outs[2].logprobs)
+    assert len(set(outs[3].token_ids)) > len(set(alone))
+
+
 def test_logprobs_are_the_models_distribution(tiny, tiny_llama):
     prompt = tiny.tokenizer.encode("the blue river tells")
     out = tiny.generate(

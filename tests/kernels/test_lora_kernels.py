@@ -724,15 +724,16 @@ def test_greedy_pass_flags_the_rows_that_are_not_finite(argmax_build, dtype, voc
     float32 logits, and whether every logit of the row is finite (a row holding an infinity or a
     NaN anywhere, first, last or in the vector part, fails its sequence; the others sample)."""
     generator = torch.Generator().manual_seed(vocab)
-    rows = (torch.randn(9, vocab + 5, generator=generator) * 8)[:, 5:].to(dtype)
+    rows = (torch.randn(10, vocab + 5, generator=generator) * 8).to(dtype)[:, 5:]  # wider stride
     rows[1, -1] = float("inf")
     rows[2, 0] = float("-inf")
     rows[3, vocab // 2] = float("nan")
     rows[4, vocab // 3] = float("-inf")
     rows[5] = float("-inf")
     rows[6, -1] = float("nan")
+    rows[7, vocab // 2] = float("inf")
     picks, finite = argmax_build.greedy(rows)
     assert torch.equal(picks, rows.float().max(dim=-1).indices)
     assert finite.tolist() == torch.isfinite(rows.float()).all(dim=-1).tolist()
-    assert finite.tolist() == [True] + [False] * 6 + [True, True]
+    assert finite.tolist() == [True] + [False] * 7 + [True, True]
     assert argmax_build.greedy(rows.double()) is None  # a dtype it does not take

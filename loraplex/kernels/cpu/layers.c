@@ -18,9 +18,10 @@
  * nanoseconds each stage of a layer took (the q,k,v projection with its LoRA, the rotary write,
  * the attention, o, the norm, gate_up, SiLU, down, the next norm), summed over every layer and
  * call since the caller cleared them. */
-#define LAYER_STAGES 9
 #if defined(LAYER_STAGE_TIMERS)
-#include <time.h>
+#define LAYER_STAGES 9
+#include <time.h> /* clock_gettime: declared under -std=c11 by common.h's _GNU_SOURCE, above */
+int layer_stages(void) { return LAYER_STAGES; }
 int64_t layer_stage_nanoseconds[LAYER_STAGES];
 int64_t *layer_stage_timers(void) { return layer_stage_nanoseconds; }
 static inline int64_t stage_now(void) {
