@@ -285,9 +285,15 @@ static inline __m512 bf16_16(const uint16_t *x) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+#elif defined(__AVX2__)
+static inline __m256 f32_8(const float *x) { return _mm256_loadu_ps(x); }
+static inline __m256 bf16_8(const uint16_t *x) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 #endif
 
-#define DEFINE_ARGMAX_ROW(NAME, T, AT, LOAD16)                                                   \
+#define DEFINE_ARGMAX_ROW(NAME, T, AT, LOAD)                                                     \
     static int64_t NAME##_first_nan(const T *x, int64_t n) {                                     \
         for (int64_t k = 0; k < n; k++)                                                          \
             if (isnan(AT(x, k))) return k;                                                       \
@@ -299,7 +305,7 @@ static inline __m512 bf16_16(const uint16_t *x) {
         int64_t best = 0, k = 1;                                                                 \
         float top = AT(x, 0);                                                                    \
         int nan = isnan(top), infinite = isinf(top);                                             \
-        VECTOR_PART(LOAD16)                                                                      \
+        VECTOR_PART(LOAD)                                                                        \
         for (; k < n && !nan; k++) {                                                             \
             const float v = AT(x, k);                                                            \
             nan = isnan(v), infinite |= isinf(v);                                                \
@@ -313,13 +319,13 @@ static inline __m512 bf16_16(const uint16_t *x) {
     }
 
 #if defined(__AVX512F__)
-/* The row's first elements, sixteen lanes at a time while 16 are left, from inside a row's
- * function (DEFINE_ARGMAX_ROW): reads x and n, leaves k at the first element left, and sets best,
- * top, nan and infinite for the elements read. A NaN or an infinity is flagged by its magnitude,
- * which is not below infinity. */
-#define VECTOR_PART(LOAD16)                                                                      \
+/* The row's first elements, sixteen lanes at a time (eight with AVX2) while as many are left,
+ * from inside a row's function (DEFINE_ARGMAX_ROW): reads x and n, leaves k at the first element
+ * left, and sets best, top, nan and infinite for the elements read. A NaN or an infinity is
+ * flagged by its magnitude, which is not below infinity. */
+#define VECTOR_PART(LOAD)                                                                        \
     if (n >= 32) {                                                                               \
-        __m512 tops = LOAD16(x);                                                                 \
+        __m512 tops = LOAD(x);                                                                   \
         const __m512i sixteen = _mm512_set1_epi32(16);                                           \
         const __m512 inf = _mm512_set1_ps(INFINITY);                                             \
         __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);    \
@@ -327,7 +333,7 @@ static inline __m512 bf16_16(const uint16_t *x) {
         __mmask16 nans = _mm512_cmp_ps_mask(tops, tops, _CMP_UNORD_Q);                           \
         __mmask16 not_finite = _mm512_cmp_ps_mask(_mm512_abs_ps(tops), inf, _CMP_NLT_UQ);        \
         for (k = 16; k + 16 <= n; k += 16) {                                                     \
-            const __m512 v = LOAD16(x + k);                                                      \
+            const __m512 v = LOAD(x + k);                                                        \
             at = _mm512_add_epi32(at, sixteen);                                                  \
             const __mmask16 above = _mm512_cmp_ps_mask(v, tops, _CMP_GT_OQ);                     \
             nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                      \
@@ -342,8 +348,46 @@ static inline __m512 bf16_16(const uint16_t *x) {
     }
 DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, f32_16)
 DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, bf16_16)
+#elif defined(__AVX2__)
+/* Without AVX-512 (Zen 2 and 3, whose float32 steps take the pass too): eight lanes. 32 rows of
+ * SmolLM2's vocabulary in float32, read from L3, in the x86-64-v3 build on a 2-core Xeon with
+ * AMX: 0.43 ms, against 1.03 ms a scalar loop (benchmarks/greedy_pick.py). */
+#define VECTOR_PART(LOAD)                                                                        \
+    if (n >= 16) {                                                                               \
+        __m256 tops = LOAD(x);                                                                   \
+        const __m256i eight = _mm256_set1_epi32(8);                                              \
+        const __m256 inf = _mm256_set1_ps(INFINITY);                                             \
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));             \
+        __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                  \
+        __m256i where = at;                                                                      \
+        __m256 nans = _mm256_cmp_ps(tops, tops, _CMP_UNORD_Q);                                   \
+        __m256 not_finite = _mm256_cmp_ps(_mm256_and_ps(tops, magnitude), inf, _CMP_NLT_UQ);     \
+        for (k = 8; k + 8 <= n; k += 8) {                                                        \
+            const __m256 v = LOAD(x + k);                                                        \
+            at = _mm256_add_epi32(at, eight);                                                    \
+            const __m256 above = _mm256_cmp_ps(v, tops, _CMP_GT_OQ);                             \
+            nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                        \
+            not_finite = _mm256_or_ps(                                                           \
+                not_finite, _mm256_cmp_ps(_mm256_and_ps(v, magnitude), inf, _CMP_NLT_UQ));      \
+            tops = _mm256_blendv_ps(tops, v, above);                                             \
+            where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where),             \
+                                                         _mm256_castsi256_ps(at), above));       \
+        }                                                                                        \
+        float lane_tops[8];                                                                      \
+        int32_t lane_where[8];                                                                   \
+        _mm256_storeu_ps(lane_tops, tops);                                                       \
+        _mm256_storeu_si256((__m256i *)lane_where, where);                                       \
+        top = lane_tops[0];                                                                      \
+        for (int lane = 1; lane < 8; lane++) top = lane_tops[lane] > top ? lane_tops[lane] : top; \
+        best = n;                                                                                \
+        for (int lane = 0; lane < 8; lane++)                                                     \
+            if (lane_tops[lane] == top && lane_where[lane] < best) best = lane_where[lane];      \
+        nan = _mm256_movemask_ps(nans) != 0, infinite = _mm256_movemask_ps(not_finite) != 0;    \
+    }
+DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, f32_8)
+DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, bf16_8)
 #else
-#define VECTOR_PART(LOAD16)
+#define VECTOR_PART(LOAD)
 DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, )
 DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, )
 #endif
