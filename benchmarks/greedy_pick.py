@@ -13,7 +13,7 @@ the same tokens (tests/kernels: the pass's picks are the float32 argmax's).
 
 First, the same two ways timed alone on 32 rows of random logits of SmolLM2's vocabulary, read
 from L3 (a 64 MiB read between calls), in this machine's build of the kernels and in the build
-for x86-64-v3 (AVX2, no AVX-512: Zen 2 and 3 run it), float32 and bfloat16.
+for x86-64-v3 (AVX2 without AVX-512, the path of Zen 2 and 3), float32 and bfloat16.
 """
 
 from __future__ import annotations

@@ -497,8 +497,9 @@ class CpuOps(_PerDtype):
 
 class CpuArgmax(_PerDtype):
     """Greedy sampling's pick over float32 or bfloat16 logits (cpu/ops.c): the indices
-    torch.max(dim=-1) gives (the first of equal values, a row's first NaN), in a tenth of its time
-    (cpu/ops.c); with `greedy`, also whether each row is finite, from the same pass."""
+    torch.max(dim=-1) gives (the first of equal values, a row's first NaN), where torch's is a
+    scalar loop (cpu/ops.c); with `greedy`, also whether each row is finite, from the same pass.
+    It takes rows of fewer than 2**31 logits (its lanes count in int32)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
@@ -521,7 +522,7 @@ class CpuArgmax(_PerDtype):
     def _takes(self, logits: torch.Tensor) -> bool:
         return (
             self.supports(logits.dtype) and logits.dim() == 2 and logits.stride(1) == 1
-            and logits.shape[1] > 0
+            and 0 < logits.shape[1] < 2**31
         )  # fmt: skip
 
     def _pick(self, logits: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:

@@ -265,9 +265,9 @@ DEFINE_ROPE_WRITE(rope_write_f32, float, rope_head_f32)
 /* Greedy sampling's pick: out[i] = the index of the largest element of row i of x [n, vocab]
  * (rows row_stride apart): the first of equal ones, or the first NaN of a row that has one, as
  * torch.max(dim=-1) picks. torch's max with indices is a scalar loop on CPU (0.4 ms for 32 rows
- * of a 49,152-token vocabulary in cache, against 0.04 ms for a max without them); here sixteen
- * lanes each keep their own first best and its index, and the lanes are compared once at the
- * end.
+ * of a 49,152-token vocabulary in cache, against 0.04 ms for a max without them); here the
+ * vector lanes (sixteen with AVX-512, eight with AVX2) each keep their own first best and its
+ * index, and the lanes are compared once at the end.
  *
  * With `finite` (else NULL), finite[i] = whether every element of row i is finite, from the same
  * pass: the runner fails a sequence whose logits hold a NaN or an infinity and samples the
@@ -275,22 +275,17 @@ DEFINE_ROPE_WRITE(rope_write_f32, float, rope_head_f32)
  * their float32 copy; a greedy step then needs neither that copy nor a pass of its own to find
  * rows that are not finite. On a 2-core Xeon with AMX, 32 rows of SmolLM2's vocabulary read
  * from L3 (3 MiB of bfloat16 logits, more than a core's L2): the copy, a sum a row and the
- * float32 argmax 0.87 ms, this pass 0.19 ms; a decode step 1.25-1.45 ms shorter
- * (benchmarks/greedy_pick.py). */
+ * float32 argmax 0.87 ms, this pass 0.19 ms (the AVX-512 build); a decode step 1.25-1.45 ms
+ * shorter (benchmarks/greedy_pick.py). */
 static inline float f32_at(const float *x, int64_t k) { return x[k]; }
 static inline float bf16_at(const uint16_t *x, int64_t k) { return bf16_to_f32(x[k]); }
-#if defined(__AVX512F__)
-static inline __m512 f32_16(const float *x) { return _mm512_loadu_ps(x); }
-static inline __m512 bf16_16(const uint16_t *x) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-#elif defined(__AVX2__)
-static inline __m256 f32_8(const float *x) { return _mm256_loadu_ps(x); }
-static inline __m256 bf16_8(const uint16_t *x) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)x));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+/* The vector builds' loads of a row's next lanes, as float32 (the same guards as common.h's
+ * bf16x16 and bf16x8, which widen bfloat16) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ARGMAX_AVX512
+static inline __m512 bf16_16(const uint16_t *x) { return bf16x16(x, 0xffff); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ARGMAX_AVX2
 #endif
 
 #define DEFINE_ARGMAX_ROW(NAME, T, AT, LOAD)                                                     \
@@ -318,11 +313,12 @@ static inline __m256 bf16_8(const uint16_t *x) {
         return nan ? NAME##_first_nan(x, n) : best;                                              \
     }
 
-#if defined(__AVX512F__)
-/* The row's first elements, sixteen lanes at a time (eight with AVX2) while as many are left,
- * from inside a row's function (DEFINE_ARGMAX_ROW): reads x and n, leaves k at the first element
- * left, and sets best, top, nan and infinite for the elements read. A NaN or an infinity is
- * flagged by its magnitude, which is not below infinity. */
+/* VECTOR_PART(LOAD): the row's first elements, sixteen lanes at a time (eight with AVX2) while as
+ * many are left, from inside a row's function (DEFINE_ARGMAX_ROW): reads x and n, leaves k at
+ * the first element left, and sets best, top, nan and infinite for the elements read. A NaN or
+ * an infinity is flagged by its magnitude, which is not below infinity. Lane indices are int32:
+ * CpuArgmax takes no wider row. */
+#if defined(ARGMAX_AVX512)
 #define VECTOR_PART(LOAD)                                                                        \
     if (n >= 32) {                                                                               \
         __m512 tops = LOAD(x);                                                                   \
@@ -346,12 +342,13 @@ static inline __m256 bf16_8(const uint16_t *x) {
         best = _mm512_mask_reduce_min_epi32(equal, where);                                       \
         nan = nans != 0, infinite = not_finite != 0;                                             \
     }
-DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, f32_16)
+DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, _mm512_loadu_ps)
 DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, bf16_16)
-#elif defined(__AVX2__)
+#elif defined(ARGMAX_AVX2)
 /* Without AVX-512 (Zen 2 and 3, whose float32 steps take the pass too): eight lanes. 32 rows of
- * SmolLM2's vocabulary in float32, read from L3, in the x86-64-v3 build on a 2-core Xeon with
- * AMX: 0.43 ms, against 1.03 ms a scalar loop (benchmarks/greedy_pick.py). */
+ * SmolLM2's vocabulary in float32, read from L3, in the x86-64-v3 build (the path Zen 2 and 3
+ * take) on a 2-core Xeon with AMX: 0.43 ms, against 1.03 ms a scalar loop
+ * (benchmarks/greedy_pick.py). */
 #define VECTOR_PART(LOAD)                                                                        \
     if (n >= 16) {                                                                               \
         __m256 tops = LOAD(x);                                                                   \
@@ -368,7 +365,7 @@ DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, bf16_16)
             const __m256 above = _mm256_cmp_ps(v, tops, _CMP_GT_OQ);                             \
             nans = _mm256_or_ps(nans, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                        \
             not_finite = _mm256_or_ps(                                                           \
-                not_finite, _mm256_cmp_ps(_mm256_and_ps(v, magnitude), inf, _CMP_NLT_UQ));      \
+                not_finite, _mm256_cmp_ps(_mm256_and_ps(v, magnitude), inf, _CMP_NLT_UQ));       \
             tops = _mm256_blendv_ps(tops, v, above);                                             \
             where = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(where),             \
                                                          _mm256_castsi256_ps(at), above));       \
@@ -378,20 +375,23 @@ DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, bf16_16)
         _mm256_storeu_ps(lane_tops, tops);                                                       \
         _mm256_storeu_si256((__m256i *)lane_where, where);                                       \
         top = lane_tops[0];                                                                      \
-        for (int lane = 1; lane < 8; lane++) top = lane_tops[lane] > top ? lane_tops[lane] : top; \
+        for (int lane = 1; lane < 8; lane++)                                                     \
+            top = lane_tops[lane] > top ? lane_tops[lane] : top;                                 \
         best = n;                                                                                \
         for (int lane = 0; lane < 8; lane++)                                                     \
             if (lane_tops[lane] == top && lane_where[lane] < best) best = lane_where[lane];      \
-        nan = _mm256_movemask_ps(nans) != 0, infinite = _mm256_movemask_ps(not_finite) != 0;    \
+        nan = _mm256_movemask_ps(nans) != 0, infinite = _mm256_movemask_ps(not_finite) != 0;     \
     }
-DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, f32_8)
-DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, bf16_8)
+DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, _mm256_loadu_ps)
+DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, bf16x8)
 #else
 #define VECTOR_PART(LOAD)
 DEFINE_ARGMAX_ROW(argmax_row_f32, float, f32_at, )
 DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_at, )
 #endif
 #undef VECTOR_PART
+#undef ARGMAX_AVX512
+#undef ARGMAX_AVX2
 
 #define DEFINE_ARGMAX_ROWS(NAME, T, ROW)                                                         \
     void NAME(const T *x, int64_t n, int64_t vocab, int64_t row_stride, int64_t *out,            \
