@@ -255,31 +255,6 @@ class CpuLoRAKernel(_PerDtype):
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._functions = _bind(lib, "lora_apply", _ARGTYPES, ctypes.c_int)
 
-    def bind(
-        self,
-        pool: torch.Tensor,
-        a_rows: torch.Tensor,
-        b_rows: torch.Tensor,
-        slots: torch.Tensor,
-        rank: int,
-        scales: torch.Tensor,
-        outputs: Outputs,
-        start: int,
-        end: int,
-    ) -> BoundLoRA:
-        """The kernel on rows start..end of x and y, as a call of (x, y) alone: y[t, cols_i] +=
-        scales[s] * (x[t] @ A_s,i^T) @ B_s,i for each of those rows t and every output i, s =
-        slots[t - start], with run s's rows of module row m at a_rows[m, s*rank : (s+1)*rank]
-        and b_rows[...] in the flat pool (int64, rows contiguous, as is slots; a 1-D table is
-        one module); scales float32 [runs]; x, y (2-D, unit column stride) and pool of one
-        dtype. Everything but x and y is checked and converted here, once: the engine binds each
-        (layer, projection) once per batch composition and calls it every layer of every step
-        (with the rows in cache, a q,v call of 32 tokens takes about 15 us in C; checking and
-        converting its arguments, and slicing the rows, took about 5 us more each time)."""
-        a_layer, b_layer = (t[(None,) * (3 - t.dim())] for t in (a_rows, b_rows))  # one layer
-        tables = (pool, a_layer, b_layer, slots, rank, scales)
-        return self.bind_layers(*tables, [outputs], start, end)[0]
-
     def bind_layers(
         self,
         pool: torch.Tensor,
@@ -292,11 +267,20 @@ class CpuLoRAKernel(_PerDtype):
         start: int,
         end: int,
     ) -> list[BoundLoRA | None]:
-        """bind for each layer i of 3-D tables [layers, module rows, n]: the call on layer i's
-        tables with outputs[i] (None where that is None). The tables are checked once for all
-        layers, and no view of a layer's is made: bound a layer at a time in a step (120 calls
-        on all-module adapters), binding took about 16 us a call, more than in a loop of its
-        own, with the caches cold after the step before."""
+        """For each layer i, the kernel on rows start..end of x and y, as a call of (x, y) alone
+        (None where outputs[i] is None): y[t, cols_j] += scales[s] * (x[t] @ A_s,j^T) @ B_s,j
+        for each of those rows t and every output j of outputs[i], s = slots[t - start], with
+        run s's rows of module row m at a_rows[i, m, s*rank : (s+1)*rank] and b_rows[...] in
+        the flat pool (int64 [layers, module rows, n], rows contiguous, as is slots); scales
+        float32 [runs]; x, y (2-D, unit column stride) and pool of one dtype.
+
+        Everything but x and y is checked and converted here, once: the engine binds a group's
+        calls for every layer once per batch composition and calls them every step (with the
+        rows in cache, a q,v call of 32 tokens takes about 15 us in C; checking and converting
+        its arguments, and slicing the rows, took about 5 us more each time). The tables are
+        checked once for all layers, and no view of a layer's is made: bound a layer at a time
+        in a step (120 calls on all-module adapters), binding took about 16 us a call, more than
+        in a loop of its own, with the caches cold after the step before."""
         if a_rows.dim() != 3 or len(outputs) != a_rows.shape[0]:
             raise ValueError("the row tables need a layer each, and outputs for every layer")
         if rank > MAX_RANK:
@@ -321,9 +305,9 @@ class CpuLoRAKernel(_PerDtype):
 
 
 class BoundLoRA:
-    """A call of CpuLoRAKernel.bind (or of bind_layers): the kernel on rows start..end of x and
-    y, its other arguments converted once into one LoRABinding (and their tensors held as long
-    as the call)."""
+    """A call of CpuLoRAKernel.bind_layers: the kernel on rows start..end of x and y, its other
+    arguments converted once into one LoRABinding (and their tensors held as long as the
+    call)."""
 
     def __init__(
         self, function, dtype, held, outputs, start, end, threads, a_rows, b_rows, mstride, pool,
@@ -498,7 +482,7 @@ class CpuOps(_PerDtype):
 class CpuArgmax(_PerDtype):
     """Greedy sampling's pick over float32 or bfloat16 logits (cpu/ops.c): the indices
     torch.max(dim=-1) gives (the first of equal values, a row's first NaN), where torch's is a
-    scalar loop (cpu/ops.c); with `greedy`, also whether each row is finite, from the same pass.
+    scalar loop; with `greedy`, also whether each row is finite, from the same pass.
     It takes rows of fewer than 2**31 logits (its lanes count in int32)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:

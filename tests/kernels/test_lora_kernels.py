@@ -237,7 +237,14 @@ def apply_native(x, y, pool, a_offsets, b_offsets, ranks, scales, segments, kern
         token_runs = torch.arange(len(group)).repeat_interleave(lengths)
         whole = cpu_lora.Outputs([(0, 0, y.shape[1])])  # one module onto all of y
         tables = (pool, a_rows, b_rows, token_runs, rank, scales[slots], whole)
-        kernel.bind(*tables, rows.start, rows.stop)(x, y)
+        bind_one(kernel, *tables, rows.start, rows.stop)(x, y)
+
+
+def bind_one(kernel, pool, a_rows, b_rows, slots, rank, scales, outputs, start, end):
+    """kernel.bind_layers on one layer's tables (2-D; 1-D: one module): that layer's call."""
+    a_layer, b_layer = (t[(None,) * (3 - t.dim())] for t in (a_rows, b_rows))
+    tables = (pool, a_layer, b_layer, slots, rank, scales)
+    return kernel.bind_layers(*tables, [outputs], start, end)[0]
 
 
 def assert_native_matches_reference(case_tensors, kernel) -> None:
@@ -323,7 +330,7 @@ def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtyp
     fin = x.shape[1]
     got = y.clone()
     outputs = cpu_lora.Outputs([(0, columns[0], widths[0]), (2, columns[2], widths[2])])
-    kernel_build.bind(pool, a_rows, b_rows, slots, rank, scales, outputs, 0, 6)(x, got)
+    bind_one(kernel_build, pool, a_rows, b_rows, slots, rank, scales, outputs, 0, 6)(x, got)
     want = y.float().clone()
     for m in (0, 2):
         for t, s in enumerate(slots.tolist()):
@@ -336,9 +343,11 @@ def test_native_cpu_kernel_applies_several_modules_of_one_input_in_one_call(dtyp
     k_columns = slice(columns[1], columns[2])
     assert torch.equal(got[:, k_columns], y[:, k_columns])
     with pytest.raises(ValueError, match="do not fit"):
-        kernel_build.bind(pool, a_rows, b_rows, slots, rank, scales, outputs, 0, 6)(x, got[:, :500])
+        bind_one(kernel_build, pool, a_rows, b_rows, slots, rank, scales, outputs, 0, 6)(
+            x, got[:, :500]
+        )
     with pytest.raises(ValueError, match="do not fit"):
-        kernel_build.bind(pool, a_rows[:2], b_rows[:2], slots, rank, scales, outputs, 0, 6)
+        bind_one(kernel_build, pool, a_rows[:2], b_rows[:2], slots, rank, scales, outputs, 0, 6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -366,19 +375,19 @@ def test_tokens_on_one_adapters_rows_get_the_bits_each_gets_alone(dtype, span, k
         out = y.clone()
         for t, run in enumerate(runs):
             a, b, one = rows_of(a_rows, [run]), rows_of(b_rows, [run]), torch.tensor([0])
-            kernel_build.bind(pool, a, b, one, rank, token_scales[t : t + 1], outputs, t, t + 1)(
-                x, out
-            )
+            bind_one(
+                kernel_build, pool, a, b, one, rank, token_scales[t : t + 1], outputs, t, t + 1
+            )(x, out)
         return out
 
     def as_runs(token_scales):
         out, each = y.clone(), torch.arange(n)
         a, b = rows_of(a_rows, runs), rows_of(b_rows, runs)
-        kernel_build.bind(pool, a, b, each, rank, token_scales, outputs, 0, n)(x, out)
+        bind_one(kernel_build, pool, a, b, each, rank, token_scales, outputs, 0, n)(x, out)
         return out
 
     got = y.clone()
-    kernel_build.bind(pool, a_rows, b_rows, as_span, rank, scales, outputs, 0, n)(x, got)
+    bind_one(kernel_build, pool, a_rows, b_rows, as_span, rank, scales, outputs, 0, n)(x, got)
     want = each_alone(scales[runs])
     assert not torch.equal(got, y)
     assert torch.equal(got, want)
@@ -420,12 +429,12 @@ def test_a_call_bound_to_some_rows_changes_only_them_every_time_it_is_made(dtype
     x, y, (pool, a_rows, b_rows, slots, rank, scales), widths, columns = three_modules_case(dtype)
     outputs = cpu_lora.Outputs([(0, columns[0], widths[0]), (2, columns[2], widths[2])])
     runs = a_rows[:, rank:]  # rows 2..6 are runs 1..3 of the tables
-    bound = kernel_build.bind(
-        pool, runs, b_rows[:, rank:], slots[2:] - 1, rank, scales[1:], outputs, 2, 6
+    bound = bind_one(
+        kernel_build, pool, runs, b_rows[:, rank:], slots[2:] - 1, rank, scales[1:], outputs, 2, 6
     )
     want, got = y.clone(), y.clone()
     for _ in range(2):
-        kernel_build.bind(pool, a_rows, b_rows, slots[2:], rank, scales, outputs, 0, 4)(
+        bind_one(kernel_build, pool, a_rows, b_rows, slots[2:], rank, scales, outputs, 0, 4)(
             x[2:], want[2:]
         )
         bound(x, got)
@@ -436,7 +445,7 @@ def test_a_call_bound_to_some_rows_changes_only_them_every_time_it_is_made(dtype
     with pytest.raises(ValueError, match="dtype"):
         bound(x.double(), got)
     with pytest.raises(ValueError, match="one slot a row"):
-        kernel_build.bind(pool, runs, b_rows[:, rank:], slots[3:], rank, scales, outputs, 2, 6)
+        bind_one(kernel_build, pool, runs, b_rows[:, rank:], slots[3:], rank, scales, outputs, 2, 6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -460,7 +469,7 @@ def test_calls_bound_for_every_layer_at_once_are_each_layers_call(dtype):
     assert calls[2] is None
     for call, a, b in zip(calls[:2], (a_rows, other_a), (b_rows, other_b), strict=True):
         want, got = y.clone(), y.clone()
-        kernel.bind(pool, a, b, slots, rank, scales, outputs, 0, 6)(x, want)
+        bind_one(kernel, pool, a, b, slots, rank, scales, outputs, 0, 6)(x, want)
         call(x, got)
         assert torch.equal(got, want) and not torch.equal(got, y)
     wide = cpu_lora.Outputs([(3, 0, widths[0])])  # a fourth module row: not in the tables

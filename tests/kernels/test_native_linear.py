@@ -26,7 +26,7 @@ from loraplex.kernels import cpu_lora
 from tests.engine.test_adapters import peft_reference
 from tests.engine.test_fidelity import CHUNK, mixed_prompts
 from tests.factories import cpu_flags, make_llm
-from tests.kernels.test_lora_kernels import build_for, other_bf16_flags
+from tests.kernels.test_lora_kernels import bind_one, build_for, other_bf16_flags
 from tests.oracle import assert_matches_reference
 
 bf16_native = pytest.mark.skipif(
@@ -243,8 +243,8 @@ def projection_and_call_give_their_bits_apart(
         slots[rows // 2 :] = adapters - 1
     scales = torch.tensor([0.5, 1.0, 2.0])
     outputs = cpu_lora.Outputs([(0, 0, 576), (1, 576, 192), (2, 768, 192)])
-    call = cpu_lora.load().bind(
-        pool, a_rows, torch.stack(b_rows), slots, rank, scales, outputs, 0, rows
+    call = bind_one(
+        cpu_lora.load(), pool, a_rows, torch.stack(b_rows), slots, rank, scales, outputs, 0, rows
     )
     x = torch.randn(rows, fin).to(dtype)
     apart = linear(x)
@@ -257,8 +257,17 @@ def projection_and_call_give_their_bits_apart(
     assert torch.equal(fused, apart)
     assert not torch.equal(fused, linear(x))
     first = rows // 3  # a call on the later rows alone (the first ones on no adapter)
-    later = cpu_lora.load().bind(
-        pool, a_rows, torch.stack(b_rows), slots[first:], rank, scales, outputs, first, rows
+    later = bind_one(
+        cpu_lora.load(),
+        pool,
+        a_rows,
+        torch.stack(b_rows),
+        slots[first:],
+        rank,
+        scales,
+        outputs,
+        first,
+        rows,
     )
     later_apart = linear(x)
     later(x, later_apart)
