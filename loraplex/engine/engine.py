@@ -78,6 +78,7 @@ class LLMEngine:
             config.max_lora_rank,
             config.adapter_roots,
             parse_size(config.adapter_host_cache),
+            self.pool.page_numel,
         )
         self.adapters = AdapterManager(self.pool, self.model_config)
         self.scheduler = Scheduler(

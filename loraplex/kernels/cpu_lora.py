@@ -8,7 +8,8 @@ per step; on CPUs with AMX or AVX512-BF16, a bfloat16 decode step's dense projec
 Intel with AVX-512 a float32 one's (`CpuLinearF32`), each making the LoRA call after it in the same
 native call and, but with AMX, bringing that call's adapter rows into cache while it computes
 (`Fetch`); where every projection of a step is native, its decoder layers in one call
-(`CpuDecoderLayers`).
+(`CpuDecoderLayers`); and, off the engine thread, an adapter's file converted into the pages of
+its pool image as it is read (`CpuPacker`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -43,6 +44,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-l
 MAX_RANK = 1024  # as in cpu/common.h; a larger rank takes the torch path
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_MODULES = 8  # outputs a call (cpu/common.h)
+PACK_SOURCES = {"F32": 0, "BF16": 1, "F16": 2}  # CpuPacker's source dtypes, by safetensors' names
 # a LoRA call: x, its row stride, y, its row stride, x's width, the LoRABinding (cpu/lora.h)
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 _ARGTYPES += [ctypes.c_void_p]
@@ -519,6 +521,25 @@ class CpuArgmax(_PerDtype):
         return out
 
 
+class CpuPacker(_PerDtype):
+    """An adapter's matrices from its safetensors bytes into a pool image (cpu/pack.c), in one
+    call off the Python lock: each row of `table` [entries, 7] int64 is a run of a matrix's rows
+    (source byte offset, source dtype as PACK_SOURCES numbers it, the source's element strides
+    between rows and between columns, rows, columns, element offset in the image). Images of
+    float32 and bfloat16 pages."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        self._functions = _bind(lib, "pack_matrices", argtypes, ctypes.c_int64)
+
+    def __call__(self, data: bytes, image: torch.Tensor, table: torch.Tensor) -> int:
+        """Writes the runs into `image` (contiguous); the first entry holding a value that is
+        not finite in the image's dtype, or -1. The table's offsets must lie inside both."""
+        assert image.is_contiguous() and table.dtype == torch.int64 and table.is_contiguous()
+        function = self._functions[image.dtype]
+        return function(data, image.data_ptr(), table.data_ptr(), table.shape[0])
+
+
 class Fetch:
     """Memory ranges for a dense projection to bring into cache while it computes: addresses
     and lengths in bytes (int64, contiguous), split between the threads in order."""
@@ -784,6 +805,7 @@ load = _loader(CpuLoRAKernel)
 load_attention = _loader(CpuAttentionKernel)
 load_ops = _loader(CpuOps)
 load_argmax = _loader(CpuArgmax)
+load_packer = _loader(CpuPacker)
 load_decoder_layers = _loader(CpuDecoderLayers)
 load_linear = _loader(CpuLinearBf16)
 load_linear_f32 = _loader(CpuLinearF32)

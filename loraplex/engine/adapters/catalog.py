@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from loraplex.engine.adapters.peft_format import LoRAWeights, load_peft_adapter
+from loraplex.engine.adapters.peft_format import AdapterReader, LoRAWeights
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.errors import AdapterError, ErrorCode
 
@@ -50,9 +50,11 @@ class AdapterCatalog:
         max_rank: int,
         roots: tuple[str, ...] | None,
         host_cache_bytes: int,
+        page_numel: int | None = None,
     ) -> None:
-        self._model, self._dtype = model, dtype
         self.max_rank, self.roots = max_rank, roots
+        # laid out for the pool's pages as it reads (page_numel, the pool's)
+        self._reader = AdapterReader(model, max_rank, dtype, roots, page_numel)
         self._budget = host_cache_bytes
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, tuple[str, LoRAWeights]] = OrderedDict()
@@ -86,7 +88,7 @@ class AdapterCatalog:
         """Read and validate from disk, caching nothing. Raises AdapterError."""
         started = time.perf_counter()
         try:
-            weights = load_peft_adapter(path, self._model, self.max_rank, self._dtype, self.roots)
+            weights = self._reader.read(path)
         except AdapterError:
             raise
         except Exception as error:  # a case the checks did not foresee: still the adapter's fault

@@ -16,6 +16,7 @@ loading it into the pool is then one copy of whole pages.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,40 @@ class PackedAdapter:
             for name, (width, chunks) in self.layout.matrices.items()
             if len(chunks) == 1
         }
+
+    def matrices(self) -> dict[Matrix, torch.Tensor]:
+        """Every matrix: a view of the image, or a copy for one split between pages."""
+        split = {
+            name: torch.cat([chunk_rows(self.image[c.page], c, width) for c in chunks])
+            for name, (width, chunks) in self.layout.matrices.items()
+            if len(chunks) > 1
+        }
+        return self.views() | split
+
+
+Shapes = tuple[tuple[Matrix, tuple[int, int]], ...]
+
+
+def packing_order(
+    a_shapes: dict[tuple[int, str], tuple[int, int]],
+    b_shapes: dict[tuple[int, str], tuple[int, int]],
+    modules: tuple[str, ...],
+) -> Shapes:
+    """An adapter's matrices (name, (rows, row width)) in the order its pages hold them: A then
+    B^T of each (layer, module), layer by layer and in the forward pass's order of modules, so
+    that the rows one LoRA call reads for a token (q, k and v; gate and up) lie together, and so
+    do the calls that follow."""
+    keys = sorted(a_shapes, key=lambda k: (k[0], modules.index(k[1])))
+    return tuple(
+        matrix for k in keys for matrix in ((("a", k), a_shapes[k]), (("b", k), b_shapes[k]))
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def layout_of(shapes: Shapes, page_numel: int, num_layers: int, modules: tuple[str, ...]):
+    """The PageLayout of matrices of these shapes (packing_order), one object for every adapter
+    of one shape. Bounded: tenants' adapters may each target other layers."""
+    return PageLayout.of(list(shapes), page_numel, num_layers, modules)
 
 
 def pack(

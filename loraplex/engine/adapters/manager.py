@@ -24,7 +24,9 @@ from loraplex.engine.adapters.layout import (
     PackedAdapter,
     PageLayout,
     chunk_rows,
+    layout_of,
     pack,
+    packing_order,
 )
 from loraplex.engine.adapters.peft_format import MODULES, LoRAWeights
 from loraplex.engine.config import ModelConfig
@@ -155,9 +157,8 @@ class AdapterManager:
         self.num_pages = 0  # held by resident adapters
         # replaced, never mutated, so that other threads may read it without a lock
         self._pinned: dict[str, int] = {}
-        # by content hash (the question is asked every step), and by the matrices' shapes
+        # by content hash: the question is asked every step
         self._layouts: dict[str, PageLayout] = {}
-        self._shapes: dict[tuple, PageLayout] = {}
         self._packing = threading.Lock()  # two requests for one new adapter pack it once
         self._clock = itertools.count(1)
         self.num_loads = 0
@@ -354,21 +355,14 @@ class AdapterManager:
         if layout is None:
             if len(self._layouts) > 4096:
                 self._layouts.clear()
-            # A then B of each (layer, module), layer by layer and in the forward pass's order
-            # of modules: the rows one LoRA call reads for a token (q, k and v; gate and up)
-            # lie together, and so do the calls that follow
-            shapes = [
-                ((kind, key), tuple(table[key].shape))
-                for key in sorted(weights.a, key=lambda k: (k[0], MODULES.index(k[1])))
-                for kind, table in (("a", weights.a), ("b", weights.b))
-            ]
-            signature = tuple(shapes)
-            layout = self._shapes.get(signature)
-            if layout is None:
-                if len(self._shapes) > 256:
-                    self._shapes.clear()
-                layout = PageLayout.of(shapes, self.pool.page_numel, self.model.num_layers, MODULES)
-                self._shapes[signature] = layout
+            packed = weights.packed.get((self.pool.page_numel, self.pool.data.dtype))
+            if packed is not None:  # laid out as it was read (AdapterReader)
+                layout = packed.layout
+            else:
+                a = {key: tuple(t.shape) for key, t in weights.a.items()}
+                b = {key: tuple(t.shape) for key, t in weights.b.items()}
+                shapes = packing_order(a, b, MODULES)
+                layout = layout_of(shapes, self.pool.page_numel, self.model.num_layers, MODULES)
             self._layouts[weights.content_hash] = layout
         return layout
 
