@@ -149,3 +149,33 @@ def test_the_engine_reads_an_adapter_of_a_known_header_into_its_pool_pages(
     weights = engine.catalog.read(path)
     packed = weights.packed[(engine.pool.page_numel, engine.pool.data.dtype)]
     assert engine.adapters.pack(weights) is packed
+
+
+@pytest.mark.parametrize(
+    "rename",
+    [
+        ("layers.1.self_attn.q_proj.lora_A", "layers.1.mlp.q_proj.lora_A"),
+        ("layers.1.self_attn.q_proj.lora_A", "layers.01.self_attn.q_proj.lora_A"),
+        ("layers.1.self_attn.q_proj.lora_A", None),  # beside it, under mlp: a second name
+    ],
+    ids=["under another block", "a layer written 01", "one matrix under two names"],
+)
+def test_a_name_peft_gives_no_module_is_refused_on_every_read(model, tmp_path, rename):
+    """Served, such a name would be a second name for one matrix, and which of the two got
+    served could depend on the order a path takes them in."""
+    from safetensors.torch import load_file, save_file
+
+    reader = AdapterReader(model, 64, torch.float32, page_numel=page_numel(model))
+    reader.read(write_adapter(model, tmp_path / "good", torch.float32, seed=1))
+    path = write_adapter(model, tmp_path / "renamed", torch.float32, seed=1)
+    tensors = load_file(path / WEIGHTS_FILE)
+    old, new = (f"base_model.model.model.{part}.weight" if part else None for part in rename)
+    if new is None:
+        tensors[old.replace("self_attn", "mlp")] = tensors[old] + 1
+    else:
+        tensors[new] = tensors.pop(old)
+    save_file(tensors, path / WEIGHTS_FILE)
+    for read in (reader.read, lambda p: load_peft_adapter(p, model, 64, torch.float32)):
+        for _ in range(2):
+            with pytest.raises(AdapterError, match=r"no mlp\.q_proj|not a LoRA weight"):
+                read(path)

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from loraplex.engine.adapters import catalog as catalog_module
-from loraplex.engine.adapters.peft_format import random_peft_adapter
+from loraplex.engine.adapters.peft_format import AdapterReader, random_peft_adapter
 from loraplex.engine.api import (
     AdapterError,
     AsyncEngine,
@@ -228,13 +227,13 @@ def test_shutdown_drains_within_the_grace_then_fails_the_rest(tiny_llama):
 
 def test_adapters_are_never_read_on_the_engine_thread(tiny_llama, tiny_adapters, monkeypatch):
     threads = []
-    real_read = catalog_module.load_peft_adapter
+    real_read = AdapterReader.read
 
     def recording_read(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(catalog_module, "load_peft_adapter", recording_read)
+    monkeypatch.setattr(AdapterReader, "read", recording_read)
     engine = make_engine(tiny_llama, adapter_host_cache=1)  # every other read is a miss
 
     async def main():

@@ -33,9 +33,11 @@ from loraplex.kernels import cpu_lora
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHTS_FILE = "adapter_model.safetensors"
 
+# a layer's number as PEFT writes it (no leading zero): "layers.07" names no module
 _TENSOR_NAME = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+    r"^base_model\.model\.model\.layers\.(0|[1-9]\d*)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
+BLOCKS = {module: "self_attn" if i < 4 else "mlp" for i, module in enumerate(MODULES)}
 
 
 @dataclass(frozen=True)
@@ -118,14 +120,14 @@ class _Plan:
 class AdapterReader:
     """Reads PEFT LoRA directories for one base model, maximum rank and serving dtype.
 
-    Given the pool's page size (the engine's reader), it also lays each adapter out as the pool's
-    pages hold it, so that the engine loads it in one copy; and where the CPU kernels build, it
-    converts a file's bytes straight into those pages in one native call that holds no Python
-    lock, in place of a conversion and a copy a matrix (240 torch calls for a q,v adapter of 30
-    layers). It does so for a file whose safetensors header, with the same adapter_config.json,
-    passed every check before: the header alone decides them but for the values' finiteness,
-    which the call checks. Adapters of one shape saved alike share their header, so only the
-    first of them goes through the checks tensor by tensor. Safe from any thread."""
+    Given the pool's page size (the engine's reader), and where the CPU kernels build, it reads
+    a file whose safetensors header passed every check before, with the same adapter_config.json,
+    straight into the pages of its pool image: one native call that holds no Python lock, in
+    place of a conversion and a copy a matrix (240 torch calls for a q,v adapter of 30 layers),
+    and the engine then loads that image in one copy. The header and the config decide every
+    check but the values' finiteness, which the call makes. Adapters of one shape saved alike
+    share their header, so only the first of them goes through the checks tensor by tensor (and
+    is laid out by the manager). Safe from any thread."""
 
     MAX_PLANS = 64
 
@@ -165,17 +167,19 @@ class AdapterReader:
         header = _header(data) if self._packer is not None else None
         if header is None:
             return None
+        key = (hashlib.sha256(header).digest(), config)
         with self._lock:
-            plan = self._plans.get((header, config))
+            plan = self._plans.get(key)
             if plan is not None:
-                self._plans.move_to_end((header, config))
+                self._plans.move_to_end(key)
         # of another length, the checks say what is wrong with it
         return plan if plan is not None and plan.size == len(data) else None
 
     def _remember(self, data: bytes, config: AdapterConfig, a: dict, b: dict) -> None:
         """Plan the header of a file that passed every check, unless a tensor's dtype is one
         the native call does not take, or a name appears twice (which entry safetensors took
-        is then not this parser's to say)."""
+        is then not this parser's to say). Plans are kept by the header's digest: a header may
+        be large."""
         header = _header(data) if self._packer is not None else None
         if header is None:
             return
@@ -192,27 +196,32 @@ class AdapterReader:
             if source is None:
                 return
             layer, _, module, kind = _TENSOR_NAME.match(name).groups()
-            tensors[(kind.lower(), (int(layer), module))] = (name, source, entry["data_offsets"][0])
+            tensors[(kind.lower(), (int(layer), module))] = (name, source, entry["data_offsets"])
+        if len(tensors) != 2 * len(a):  # a tensor the checks did not serve: never expected
+            return
         a_shapes = {key: tuple(t.shape) for key, t in a.items()}
         b_shapes = {key: tuple(t.shape) for key, t in b.items()}
         shapes = packing_order(a_shapes, b_shapes, MODULES)
         layout = layout_of(shapes, self.page_numel, self.model.num_layers, MODULES)
-        rows, names = [], []
+        rows, names, image_numel = [], [], layout.num_pages * self.page_numel
         for matrix, (width, chunks) in layout.matrices.items():
-            name, source, offset = tensors[matrix]
+            name, source, (first, end) = tensors[matrix]
             size = 4 if source == cpu_lora.PACK_SOURCES["F32"] else 2
             rank = a_shapes[matrix[1]][0]
             # a row of A is a row of the file's; a row of B^T a column of its B [out, rank]
             strides = (width, 1) if matrix[0] == "a" else (1, rank)
             for c in chunks:
-                at = start + offset + c.first_row * strides[0] * size
-                rows.append(
-                    (at, source, *strides, c.num_rows, width, c.page * self.page_numel + c.offset)
-                )
+                at = start + first + c.first_row * strides[0] * size
+                to = c.page * self.page_numel + c.offset
+                last = at + ((c.num_rows - 1) * strides[0] + (width - 1) * strides[1]) * size
+                # the native call trusts the table: each run inside its tensor and the image
+                if last + size > start + end or to + c.num_rows * width > image_numel:
+                    return
+                rows.append((at, source, *strides, c.num_rows, width, to))
                 names.append(name)
         plan = _Plan(len(data), layout, torch.tensor(rows, dtype=torch.int64), tuple(names))
         with self._lock:
-            self._plans[(header, config)] = plan
+            self._plans[(hashlib.sha256(header).digest(), config)] = plan
             while len(self._plans) > self.MAX_PLANS:
                 self._plans.popitem(last=False)
 
@@ -353,6 +362,11 @@ def _parse_name(name: str, model: ModelConfig, config: AdapterConfig) -> tuple[i
             f"supported: {', '.join(MODULES)}",
             code=ErrorCode.ADAPTER_UNSUPPORTED,
         )
+    if block != BLOCKS[module]:  # a second name for the same matrix otherwise
+        raise AdapterError(
+            f"adapter tensor {name}: the base model has no {block}.{module}",
+            code=ErrorCode.ADAPTER_INCOMPATIBLE,
+        )
     if layer >= model.num_layers:
         raise AdapterError(
             f"adapter tensor {name} is for layer {layer}; the base model has "
@@ -423,8 +437,7 @@ def save_peft_adapter(
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for (layer, module), a in lora_a.items():
-        block = "self_attn" if module in MODULES[:4] else "mlp"
-        prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+        prefix = f"base_model.model.model.layers.{layer}.{BLOCKS[module]}.{module}"
         tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
         tensors[f"{prefix}.lora_B.weight"] = lora_b[(layer, module)].contiguous()
     save_file(tensors, out / WEIGHTS_FILE)
