@@ -27,7 +27,7 @@ from tests.factories import make_llm
 
 RANK = 8
 # the values where conversions go wrong: ties between two bfloat16s (1 + 2**-8 rounds down to
-# even, 1 + 3 * 2**-8 up), float32 and float16 subnormals, -0, the largest finite bfloat16
+# even, 1 + 3 * 2**-8 up), float32 and float16 subnormals, -0, near the largest finite bfloat16
 SPECIAL = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1e-40, 6e-8, -0.0, 3.38e38, -2.5e-3]
 
 pytestmark = pytest.mark.skipif(

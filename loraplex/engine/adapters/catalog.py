@@ -53,7 +53,7 @@ class AdapterCatalog:
         page_numel: int | None = None,
     ) -> None:
         self.max_rank, self.roots = max_rank, roots
-        # laid out for the pool's pages as it reads (page_numel, the pool's)
+        # given the pool's page size, it reads a file of a known header straight into pool pages
         self._reader = AdapterReader(model, max_rank, dtype, roots, page_numel)
         self._budget = host_cache_bytes
         self._lock = threading.Lock()
