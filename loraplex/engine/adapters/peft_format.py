@@ -153,75 +153,72 @@ class AdapterReader:
         weights_path = _weights_file(directory)
         data = _read_bytes(weights_path)  # one read: the weights served are the bytes hashed
         content_hash = _content_hash(config, data)
-        plan = self._known_plan(data, config)
+        header = _header(data) if self._packer is not None else None
+        # plans are kept by the header's digest (a header may be large) and the config
+        key = (hashlib.sha256(header).digest(), config) if header is not None else None
+        plan = self._known_plan(key, len(data))
         if plan is not None:
             return self._unpack(plan, data, content_hash, config)
         a, b = _read_tensors(weights_path, data, self.model, config, self.dtype)
         _check_rank(a, b, config.rank, self.max_rank)
-        self._remember(data, config, a, b)
+        if key is not None:
+            self._remember(key, header, len(data), a, b)
         return LoRAWeights(
             content_hash=content_hash, rank=config.rank, scale=config.scale, a=a, b=b
         )
 
-    def _known_plan(self, data: bytes, config: AdapterConfig) -> _Plan | None:
-        header = _header(data) if self._packer is not None else None
-        if header is None:
+    def _known_plan(self, key: tuple[bytes, AdapterConfig] | None, size: int) -> _Plan | None:
+        if key is None:
             return None
-        key = (hashlib.sha256(header).digest(), config)
         with self._lock:
             plan = self._plans.get(key)
             if plan is not None:
                 self._plans.move_to_end(key)
         # of another length, the checks say what is wrong with it
-        return plan if plan is not None and plan.size == len(data) else None
+        return plan if plan is not None and plan.size == size else None
 
-    def _remember(self, data: bytes, config: AdapterConfig, a: dict, b: dict) -> None:
-        """Plan the header of a file that passed every check, unless a tensor's dtype is one
-        the native call does not take, or a name appears twice (which entry safetensors took
-        is then not this parser's to say). Plans are kept by the header's digest: a header may
-        be large."""
-        header = _header(data) if self._packer is not None else None
-        if header is None:
-            return
+    def _remember(self, key: tuple, header: bytes, size: int, a: dict, b: dict) -> None:
+        """Plan the header of a file of `size` bytes that passed every check, unless a tensor's
+        dtype is one the native call does not take, or two entries name one matrix (which one
+        safetensors took is then not this parser's to say)."""
         start = 8 + len(header)
+        entries = [
+            (name, dict(fields))
+            for name, fields in json.loads(header, object_pairs_hook=list)
+            if name != "__metadata__"
+        ]
         tensors = {}
-        entries = json.loads(header, object_pairs_hook=list)
-        if len({name for name, _ in entries}) < len(entries):
-            return
-        for name, fields in entries:
-            if name == "__metadata__":
-                continue
-            entry = dict(fields)
+        for name, entry in entries:
             source = cpu_lora.PACK_SOURCES.get(entry["dtype"])
             if source is None:
                 return
             layer, _, module, kind = _TENSOR_NAME.match(name).groups()
             tensors[(kind.lower(), (int(layer), module))] = (name, source, entry["data_offsets"])
-        if len(tensors) != 2 * len(a):  # a tensor the checks did not serve: never expected
+        if not len(entries) == len(tensors) == 2 * len(a):  # an entry for each matrix served
             return
-        a_shapes = {key: tuple(t.shape) for key, t in a.items()}
-        b_shapes = {key: tuple(t.shape) for key, t in b.items()}
+        a_shapes = {k: tuple(t.shape) for k, t in a.items()}
+        b_shapes = {k: tuple(t.shape) for k, t in b.items()}
         shapes = packing_order(a_shapes, b_shapes, MODULES)
         layout = layout_of(shapes, self.page_numel, self.model.num_layers, MODULES)
         rows, names, image_numel = [], [], layout.num_pages * self.page_numel
         for matrix, (width, chunks) in layout.matrices.items():
             name, source, (first, end) = tensors[matrix]
-            size = 4 if source == cpu_lora.PACK_SOURCES["F32"] else 2
+            itemsize = 4 if source == cpu_lora.PACK_SOURCES["F32"] else 2
             rank = a_shapes[matrix[1]][0]
             # a row of A is a row of the file's; a row of B^T a column of its B [out, rank]
             strides = (width, 1) if matrix[0] == "a" else (1, rank)
             for c in chunks:
-                at = start + first + c.first_row * strides[0] * size
+                at = start + first + c.first_row * strides[0] * itemsize
                 to = c.page * self.page_numel + c.offset
-                last = at + ((c.num_rows - 1) * strides[0] + (width - 1) * strides[1]) * size
+                last = at + ((c.num_rows - 1) * strides[0] + (width - 1) * strides[1]) * itemsize
                 # the native call trusts the table: each run inside its tensor and the image
-                if last + size > start + end or to + c.num_rows * width > image_numel:
+                if last + itemsize > start + end or to + c.num_rows * width > image_numel:
                     return
                 rows.append((at, source, *strides, c.num_rows, width, to))
                 names.append(name)
-        plan = _Plan(len(data), layout, torch.tensor(rows, dtype=torch.int64), tuple(names))
+        plan = _Plan(size, layout, torch.tensor(rows, dtype=torch.int64), tuple(names))
         with self._lock:
-            self._plans[(hashlib.sha256(header).digest(), config)] = plan
+            self._plans[key] = plan
             while len(self._plans) > self.MAX_PLANS:
                 self._plans.popitem(last=False)
 
