@@ -678,7 +678,10 @@ class CpuLinearF32(_NativeLinear):
       steps of 32 sequences on 32 adapters (benchmarks/projection_ab.py, engines stepped in
       turn, medians of 30 rounds) took 129.3 against oneDNN's 140.9 ms on q,v and 154.0
       against 176.1 ms all-module; extra over base 6.77 and 44.18 ms, where fetching all the
-      call's rows gave 12.29 and 62.45 ms, and its A rows alone 10.96 and 50.61 ms.
+      call's rows gave 12.29 and 62.45 ms, and its A rows alone 10.96 and 50.61 ms. The Xeon of
+      model 207 whose hypervisor offers neither AVX512-FP16 nor AVX512-BF16 nor AMX lands here
+      too, and measured the same order on 32 q,v adapters: extra over base 5.55 ms fetching
+      nothing, 6.16 fetching the A rows alone, 8.20 fetching all the rows (medians of 30).
     Prompt chunks keep oneDNN's (256 rows on Zen 4: 1.08-1.13x its time by the median of 15
     passes, 0.96x by the best of 7), but on Zen 2 (zen2), where this projection takes batches of
     any size (`any_rows`) and the model keeps no oneDNN copy of its weights: there it took

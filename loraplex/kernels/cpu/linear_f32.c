@@ -6,9 +6,9 @@
  *
  * Packed: W [n, k] as blocks of F32_COLS output columns, each [k][F32_COLS]: a row of a block is
  * the weights of its columns for one input; columns past n are zeros. A tile of F32_ROWS rows of
- * x by one block keeps its 24 sums in registers over all of k: per input, 6 loads of W and 4
- * broadcasts of x for 24 FMAs; each sum is x's inputs in order, one FMA each, the bias added
- * last. Work is (block, tile of rows) items in block order, split evenly between the threads,
+ * x by one block keeps its sums in registers over all of k (24 with AVX-512: per input, 3 loads
+ * of W and 8 broadcasts of x for 24 FMAs); each sum is x's inputs in order, one FMA each, the
+ * bias added last. Work is (block, tile of rows) items in block order, split evenly between the threads,
  * each fetching its next block of W while it works on one, as the bfloat16 projection does.
  *
  * A decode step's products are bound by arithmetic, and leave most of the memory bandwidth
@@ -26,8 +26,18 @@
 /* The vectors a tile works in, by build: F32_LANES floats each; a tail's mask (the lanes before
  * `left`), and loads and stores of those lanes alone. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define F32_COLS 96
-#define F32_ROWS 4
+/* 8 rows by 48 columns: a block is read from L2 once for 8 rows, where 4 rows by 96 columns read
+ * it twice as often for the same FMAs. At 32 rows the projections are bound by what each core
+ * reads while it computes: on a 2-core Xeon (family 6, model 207) offering AVX-512 without
+ * AVX512-BF16, AMX or AVX512-FP16, SmolLM2's four projections of 30 layers took 34.9-35.7
+ * against 38.9-39.9 ms (benchmarks/prompt_projection.py --dtype float32, 191-195 against
+ * 170-175 GFLOP/s; 0.74-0.75x oneDNN's time against 0.80-0.81x), and decode steps of 32
+ * sequences 0.950x the time on the base model, 0.959x on 32 q,v adapters and 0.956x on 32
+ * all-module ones (benchmarks/layers_ab.py --dtype float32, medians of 60 alternated pairs).
+ * At 256 rows, level (1.00-1.03x oneDNN's time against 0.93-0.96x). The figures in the comments
+ * above and in cpu_lora.CpuLinearF32 for other AVX-512 CPUs were taken with the 4 by 96 tile. */
+#define F32_COLS 48
+#define F32_ROWS 8
 #define F32_LANES 16
 typedef __m512 F32Vec;
 typedef __mmask16 F32Tail;
@@ -154,6 +164,12 @@ static void linear_thread_f32(const LinearCallF32 *call, int64_t t, int64_t nt,
     tile_f32(xr, x_stride, R_, k, block, bias, yr, y_stride, it.cols, it.from, it.to, s.pace,    \
              &extra)
         switch (it.rows) { /* the tile specialised for each row count */
+#if F32_ROWS > 4
+        case 8: TILE_OF(8); break;
+        case 7: TILE_OF(7); break;
+        case 6: TILE_OF(6); break;
+        case 5: TILE_OF(5); break;
+#endif
         case 4: TILE_OF(4); break;
         case 3: TILE_OF(3); break;
         case 2: TILE_OF(2); break;
