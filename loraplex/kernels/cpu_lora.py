@@ -151,8 +151,14 @@ def zen4_bf16() -> bool:
 def build_flags() -> tuple[str, ...]:
     """The compiler's flags for this machine: where dpbf16_half_rate, the FMA build
     (-DBF16_BY_FMA: the projection's and the LoRA shrink's bfloat16 products through float32
-    FMAs, cpu/linear.c and cpu/lora.c)."""
-    return FLAGS + (("-DBF16_BY_FMA",) if dpbf16_half_rate() else ())
+    FMAs, cpu/linear.c and cpu/lora.c); on Intel's Xeons (intel_avx512), -DF32_FETCH_NEXT: the
+    float32 decode attention fetches a thread's next sequence while it works on one, as the
+    bfloat16 one does everywhere (cpu/attention.c)."""
+    return (
+        FLAGS
+        + (("-DBF16_BY_FMA",) if dpbf16_half_rate() else ())
+        + (("-DF32_FETCH_NEXT",) if intel_avx512() else ())
+    )
 
 
 def _build_key(compiler: str) -> str:

@@ -27,9 +27,18 @@
  * type. Measured on a 2-core Zen 5 (1 MB of L2 a core), 32 sequences, SmolLM2's heads, a layer's
  * keys not in cache: bfloat16 1.49x / 1.23x / 1.21x faster at 50-100 / 150-300 / 250-500
  * tokens; float32, whose passes do more arithmetic a byte, 1.01x / 0.96x / 0.98x, so float32
- * fetches nothing ahead. */
+ * fetches nothing ahead there. Intel's Xeons, whose cores each read memory at about half the
+ * box's rate, fetch in float32 too (F32_FETCH_NEXT, cpu_lora.build_flags): on a 2-core Xeon
+ * (family 6, model 207, float32 served; 2 MB of L2 a core), a layer's call took 0.863x /
+ * 0.889-0.927x / 0.976-0.983x as long at 30 / 100 / 300 tokens, 1.003x at 600 (past the limit,
+ * fetching nothing), the same bits (benchmarks/attention_ab.py --dtype float32), and a decode
+ * step of 32 sequences on the base model 0.983x (benchmarks/layers_ab.py --dtype float32). */
 #define UPCOMING_BF16 (512 << 10)
+#if defined(F32_FETCH_NEXT)
+#define UPCOMING_F32 UPCOMING_BF16
+#else
 #define UPCOMING_F32 0
+#endif
 
 /* Into L2, not L1: the first pass over a sequence fetches whole rows (every kv head's key and
  * value), most of which the later passes read, after L1 would have dropped them; into L1 the
