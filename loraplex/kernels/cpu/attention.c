@@ -30,9 +30,10 @@
  * fetches nothing ahead there. Intel's Xeons, whose cores each read memory at about half the
  * box's rate, fetch in float32 too (F32_FETCH_NEXT, cpu_lora.build_flags): on a 2-core Xeon
  * (family 6, model 207, float32 served; 2 MB of L2 a core), a layer's call took 0.863x /
- * 0.889-0.927x / 0.976-0.983x as long at 30 / 100 / 300 tokens, 1.003x at 600 (past the limit,
+ * 0.889-0.927x / 0.974-0.983x as long at 30 / 100 / 300 tokens, 1.003x at 600 (past the limit,
  * fetching nothing), the same bits (benchmarks/attention_ab.py --dtype float32), and a decode
- * step of 32 sequences on the base model 0.983x (benchmarks/layers_ab.py --dtype float32). */
+ * step of 32 sequences on the base model 0.983x (benchmarks/layers_ab.py --dtype float32).
+ * Cascade Lake has not been measured with it. */
 #define UPCOMING_BF16 (512 << 10)
 #if defined(F32_FETCH_NEXT)
 #define UPCOMING_F32 UPCOMING_BF16

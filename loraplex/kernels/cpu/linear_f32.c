@@ -34,7 +34,8 @@
  * 170-175 GFLOP/s; 0.74-0.75x oneDNN's time against 0.80-0.81x), and decode steps of 32
  * sequences 0.950x the time on the base model, 0.959x on 32 q,v adapters and 0.956x on 32
  * all-module ones (benchmarks/layers_ab.py --dtype float32, medians of 60 alternated pairs).
- * At 256 rows, level (1.00-1.03x oneDNN's time against 0.93-0.96x). The figures in the comments
+ * At 1-16 rows level or better (0.76-0.88x oneDNN's time against 0.79-0.88x), at 256 rows
+ * level with oneDNN (1.00-1.03x its time against 0.93-0.96x). The figures in the comments
  * above and in cpu_lora.CpuLinearF32 for other AVX-512 CPUs were taken with the 4 by 96 tile. */
 #define F32_COLS 48
 #define F32_ROWS 8
