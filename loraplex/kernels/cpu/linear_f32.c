@@ -8,12 +8,14 @@
  * the weights of its columns for one input; columns past n are zeros. A tile of F32_ROWS rows of
  * x by one block keeps its sums in registers over all of k (24 with AVX-512: per input, 3 loads
  * of W and 8 broadcasts of x for 24 FMAs); each sum is x's inputs in order, one FMA each, the
- * bias added last. Work is (block, tile of rows) items in block order, split evenly between the threads,
- * each fetching its next block of W while it works on one, as the bfloat16 projection does.
+ * bias added last. Work is (block, tile of rows) items in block order, split evenly between the
+ * threads, each fetching its next block of W while it works on one, as the bfloat16 projection
+ * does.
  *
- * A decode step's products are bound by arithmetic, and leave most of the memory bandwidth
- * unused, while the LoRA call after them is bound by memory: oneDNN's products cannot fetch its
- * rows meanwhile, this one can. On a 2-core Zen 4 (family 25, model 17), SmolLM2's four
+ * On AMD's CPUs a decode step's products are bound by arithmetic, and leave most of the memory
+ * bandwidth unused (on Intel's Xeons, by what a core reads while it computes: below), while the
+ * LoRA call after them is bound by memory: oneDNN's products cannot fetch its rows meanwhile,
+ * this one can. On a 2-core Zen 4 (family 25, model 17), SmolLM2's four
  * projections of 30 layers of distinct weights at 32 rows took 38.7 against oneDNN's 48.9 ms
  * (175 against 139 GFLOP/s; medians of 15 alternated passes), 0.80x by the best of 7
  * (benchmarks/prompt_projection.py --dtype float32). Larger batches gain less: 0.86-0.96x at
