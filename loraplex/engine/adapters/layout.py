@@ -142,25 +142,29 @@ class PackedAdapter:
 Shapes = tuple[tuple[Matrix, tuple[int, int]], ...]
 
 
-def packing_order(
-    a_shapes: dict[tuple[int, str], tuple[int, int]],
-    b_shapes: dict[tuple[int, str], tuple[int, int]],
+def layout_for(
+    a: dict[tuple[int, str], torch.Tensor],
+    b: dict[tuple[int, str], torch.Tensor],
+    page_numel: int,
+    num_layers: int,
     modules: tuple[str, ...],
-) -> Shapes:
-    """An adapter's matrices (name, (rows, row width)) in the order its pages hold them: A then
-    B^T of each (layer, module), layer by layer and in the forward pass's order of modules, so
-    that the rows one LoRA call reads for a token (q, k and v; gate and up) lie together, and so
-    do the calls that follow."""
-    keys = sorted(a_shapes, key=lambda k: (k[0], modules.index(k[1])))
-    return tuple(
-        matrix for k in keys for matrix in ((("a", k), a_shapes[k]), (("b", k), b_shapes[k]))
+) -> PageLayout:
+    """The PageLayout of an adapter's matrices A [rank, in] and B^T [rank, out] by (layer,
+    module): A then B^T of each (layer, module), layer by layer and in the forward pass's order
+    of modules, so that the rows one LoRA call reads for a token (q, k and v; gate and up) lie
+    together, and so do the calls that follow. One object for every adapter of one shape."""
+    keys = sorted(a, key=lambda k: (k[0], modules.index(k[1])))
+    shapes = tuple(
+        (matrix, tuple(table[k].shape))
+        for k in keys
+        for matrix, table in ((("a", k), a), (("b", k), b))
     )
+    return _layout_of(shapes, page_numel, num_layers, modules)
 
 
 @functools.lru_cache(maxsize=256)
-def layout_of(shapes: Shapes, page_numel: int, num_layers: int, modules: tuple[str, ...]):
-    """The PageLayout of matrices of these shapes (packing_order), one object for every adapter
-    of one shape. Bounded: tenants' adapters may each target other layers."""
+def _layout_of(shapes: Shapes, page_numel: int, num_layers: int, modules: tuple[str, ...]):
+    """Bounded: tenants' adapters may each target other layers."""
     return PageLayout.of(list(shapes), page_numel, num_layers, modules)
 
 

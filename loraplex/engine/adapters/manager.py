@@ -24,9 +24,8 @@ from loraplex.engine.adapters.layout import (
     PackedAdapter,
     PageLayout,
     chunk_rows,
-    layout_of,
+    layout_for,
     pack,
-    packing_order,
 )
 from loraplex.engine.adapters.peft_format import MODULES, LoRAWeights
 from loraplex.engine.config import ModelConfig
@@ -359,10 +358,9 @@ class AdapterManager:
             if packed is not None:  # laid out as it was read (AdapterReader)
                 layout = packed.layout
             else:
-                a = {key: tuple(t.shape) for key, t in weights.a.items()}
-                b = {key: tuple(t.shape) for key, t in weights.b.items()}
-                shapes = packing_order(a, b, MODULES)
-                layout = layout_of(shapes, self.pool.page_numel, self.model.num_layers, MODULES)
+                layout = layout_for(
+                    weights.a, weights.b, self.pool.page_numel, self.model.num_layers, MODULES
+                )
             self._layouts[weights.content_hash] = layout
         return layout
 

@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from loraplex.engine.adapters.layout import PackedAdapter, PageLayout, layout_of, packing_order
+from loraplex.engine.adapters.layout import PackedAdapter, PageLayout, layout_for
 from loraplex.engine.adapters.peft_config import CONFIG_FILE, AdapterConfig, read_config
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.errors import AdapterError, ErrorCode
@@ -196,15 +196,12 @@ class AdapterReader:
             tensors[(kind.lower(), (int(layer), module))] = (name, source, entry["data_offsets"])
         if not len(entries) == len(tensors) == 2 * len(a):  # an entry for each matrix served
             return
-        a_shapes = {k: tuple(t.shape) for k, t in a.items()}
-        b_shapes = {k: tuple(t.shape) for k, t in b.items()}
-        shapes = packing_order(a_shapes, b_shapes, MODULES)
-        layout = layout_of(shapes, self.page_numel, self.model.num_layers, MODULES)
+        layout = layout_for(a, b, self.page_numel, self.model.num_layers, MODULES)
         rows, names, image_numel = [], [], layout.num_pages * self.page_numel
         for matrix, (width, chunks) in layout.matrices.items():
             name, source, (first, end) = tensors[matrix]
             itemsize = 4 if source == cpu_lora.PACK_SOURCES["F32"] else 2
-            rank = a_shapes[matrix[1]][0]
+            rank = a[matrix[1]].shape[0]
             # a row of A is a row of the file's; a row of B^T a column of its B [out, rank]
             strides = (width, 1) if matrix[0] == "a" else (1, rank)
             for c in chunks:
