@@ -151,14 +151,15 @@ def zen4_bf16() -> bool:
 def build_flags() -> tuple[str, ...]:
     """The compiler's flags for this machine: where dpbf16_half_rate, the FMA build
     (-DBF16_BY_FMA: the projection's and the LoRA shrink's bfloat16 products through float32
-    FMAs, cpu/linear.c and cpu/lora.c); on Intel's Xeons (intel_avx512), -DF32_FETCH_NEXT: the
-    float32 decode attention fetches a thread's next sequence while it works on one, as the
-    bfloat16 one does everywhere (cpu/attention.c)."""
-    return (
-        FLAGS
-        + (("-DBF16_BY_FMA",) if dpbf16_half_rate() else ())
-        + (("-DF32_FETCH_NEXT",) if intel_avx512() else ())
-    )
+    FMAs, cpu/linear.c and cpu/lora.c); on Intel's Xeons (intel_avx512) and Zen 4,
+    -DF32_FETCH_NEXT: the float32 decode attention fetches a thread's next sequence while it
+    works on one, as the bfloat16 one does everywhere (cpu/attention.c); on Intel's Xeons,
+    -DF32_TALL_TILE: the float32 projection's tiles are 8 rows by 48 columns, 4 by 96 on AMD's
+    (cpu/linear_f32.c)."""
+    flags = FLAGS + (("-DBF16_BY_FMA",) if dpbf16_half_rate() else ())
+    if intel_avx512() or zen4():
+        flags += ("-DF32_FETCH_NEXT",)
+    return flags + (("-DF32_TALL_TILE",) if intel_avx512() else ())
 
 
 def _build_key(compiler: str) -> str:

@@ -7,40 +7,49 @@
  * Packed: W [n, k] as blocks of F32_COLS output columns, each [k][F32_COLS]: a row of a block is
  * the weights of its columns for one input; columns past n are zeros. A tile of F32_ROWS rows of
  * x by one block keeps its sums in registers over all of k (24 with AVX-512: per input, 3 loads
- * of W and 8 broadcasts of x for 24 FMAs); each sum is x's inputs in order, one FMA each, the
- * bias added last. Work is (block, tile of rows) items in block order, split evenly between the
- * threads, each fetching its next block of W while it works on one, as the bfloat16 projection
- * does.
+ * of W and 8 broadcasts of x, or 6 and 4, for 24 FMAs); each sum is x's inputs in order, one FMA
+ * each, the bias added last. Work is (block, tile of rows) items in block order, split evenly
+ * between the threads, each fetching its next block of W while it works on one, as the bfloat16
+ * projection does.
  *
  * On AMD's CPUs a decode step's products are bound by arithmetic, and leave most of the memory
  * bandwidth unused (on Intel's Xeons, by what a core reads while it computes: below), while the
- * LoRA call after them is bound by memory: oneDNN's products cannot fetch its rows meanwhile,
- * this one can. On a 2-core Zen 4 (family 25, model 17), SmolLM2's four
- * projections of 30 layers of distinct weights at 32 rows took 38.7 against oneDNN's 48.9 ms
- * (175 against 139 GFLOP/s; medians of 15 alternated passes), 0.80x by the best of 7
- * (benchmarks/prompt_projection.py --dtype float32). Larger batches gain less: 0.86-0.96x at
- * 33-256 rows by the best of 7, but 1.08-1.13x at 256 by the median of 15, so prompt chunks keep
- * oneDNN's (and its copy of W). The AVX2 build's tiles are narrower (below): on a 2-core Zen 3
- * (family 25, model 1), 74.4 against oneDNN's 105.7 ms at 32 rows (0.70x), 0.80x at 64; on a
- * 2-core Zen 2 (family 23, model 49), 0.74x at 32 rows and 0.89-0.93x at 256-512, so there it
- * takes prompt chunks too (cpu_lora.CpuLinearF32.any_rows). */
+ * LoRA call after them is bound by memory: oneDNN's products cannot fetch its rows meanwhile, this
+ * one can. On a 2-core Zen 4 (family 25, model 17), SmolLM2's four projections of 30 layers of
+ * distinct weights at 32 rows took 38.7 against oneDNN's 48.9 ms (175 against 139 GFLOP/s; medians
+ * of 15 alternated passes), 0.80x by the best of 7 (benchmarks/prompt_projection.py --dtype
+ * float32). Larger batches gain less: 0.86-0.96x at 33-256 rows by the best of 7, but 1.08-1.13x at
+ * 256 by the median of 15, so prompt chunks keep oneDNN's (and its copy of W). The AVX2 build's
+ * tiles are narrower (below): on a 2-core Zen 3 (family 25, model 1), 74.4 against oneDNN's 105.7
+ * ms at 32 rows (0.70x), 0.80x at 64; on a 2-core Zen 2 (family 23, model 49), 0.74x at 32 rows and
+ * 0.89-0.93x at 256-512, so there it takes prompt chunks too (cpu_lora.CpuLinearF32.any_rows). */
 
 /* The vectors a tile works in, by build: F32_LANES floats each; a tail's mask (the lanes before
  * `left`), and loads and stores of those lanes alone. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* 8 rows by 48 columns: a block is read from L2 once for 8 rows, where 4 rows by 96 columns read
- * it twice as often for the same FMAs. At 32 rows the projections are bound by what each core
- * reads while it computes: on a 2-core Xeon (family 6, model 207) offering AVX-512 without
- * AVX512-BF16, AMX or AVX512-FP16, SmolLM2's four projections of 30 layers took 34.9-35.7
- * against 38.9-39.9 ms (benchmarks/prompt_projection.py --dtype float32, 191-195 against
- * 170-175 GFLOP/s; 0.74-0.75x oneDNN's time against 0.80-0.81x), and decode steps of 32
- * sequences 0.950x the time on the base model, 0.959x on 32 q,v adapters and 0.956x on 32
- * all-module ones (benchmarks/layers_ab.py --dtype float32, medians of 60 alternated pairs).
- * At 1-16 rows level or better (0.76-0.88x oneDNN's time against 0.79-0.88x), at 256 rows
- * level with oneDNN (1.00-1.03x its time against 0.93-0.96x). The figures in the comments
- * above and in cpu_lora.CpuLinearF32 for other AVX-512 CPUs were taken with the 4 by 96 tile. */
+/* Intel's Xeons (-DF32_TALL_TILE, cpu_lora.build_flags): 8 rows by 48 columns, a block read
+ * from L2 once for 8 rows where 4 rows by 96 columns read it twice as often for the same FMAs.
+ * At 32 rows the projections are bound by what each core reads while it computes: on a 2-core
+ * Xeon (family 6, model 207) offering AVX-512 without AVX512-BF16, AMX or AVX512-FP16,
+ * SmolLM2's four projections of 30 layers took 34.9-35.7 against 38.9-39.9 ms
+ * (benchmarks/prompt_projection.py --dtype float32, 191-195 against 170-175 GFLOP/s; 0.74-0.75x
+ * oneDNN's time against 0.80-0.81x), and decode steps of 32 sequences 0.950x the time on the
+ * base model, 0.959x on 32 q,v adapters and 0.956x on 32 all-module ones
+ * (benchmarks/layers_ab.py --dtype float32, medians of 60 alternated pairs). At 1-16 rows level
+ * or better (0.76-0.88x oneDNN's time against 0.79-0.88x), at 256 rows level with oneDNN
+ * (1.00-1.03x its time against 0.93-0.96x).
+ * AMD's (Zen 4, bound by arithmetic): 4 rows by 96 columns, where 8 by 48 made decode steps of
+ * 32 sequences on a 2-core Zen 4 (family 25, model 17) slower by 0.7% on the base model (+0.15,
+ * +0.48, +1.14 ms of 72-76; medians of 60-100 alternated pairs, layers_ab.py --dtype float32),
+ * 1.2-1.5% on 32 q,v adapters (+0.89, +1.06 ms) and -1.2% to +1.3% on 32 all-module ones
+ * (-1.07, +1.34 ms of 87-90). */
+#if defined(F32_TALL_TILE)
 #define F32_COLS 48
 #define F32_ROWS 8
+#else
+#define F32_COLS 96
+#define F32_ROWS 4
+#endif
 #define F32_LANES 16
 typedef __m512 F32Vec;
 typedef __mmask16 F32Tail;
