@@ -38,11 +38,11 @@
  * (benchmarks/layers_ab.py --dtype float32, medians of 60 alternated pairs). At 1-16 rows level
  * or better (0.76-0.88x oneDNN's time against 0.79-0.88x), at 256 rows level with oneDNN
  * (1.00-1.03x its time against 0.93-0.96x).
- * AMD's (Zen 4, bound by arithmetic): 4 rows by 96 columns, where 8 by 48 made decode steps of
- * 32 sequences on a 2-core Zen 4 (family 25, model 17) slower by 0.7% on the base model (+0.15,
- * +0.48, +1.14 ms of 72-76; medians of 60-100 alternated pairs, layers_ab.py --dtype float32),
- * 1.2-1.5% on 32 q,v adapters (+0.89, +1.06 ms) and -1.2% to +1.3% on 32 all-module ones
- * (-1.07, +1.34 ms of 87-90). */
+ * AMD's: 4 rows by 96 columns. Zen 4's projections are bound by arithmetic, and there 8 by 48
+ * made decode steps of 32 sequences slower in all but one run (2-core, family 25, model 17;
+ * layers_ab.py --dtype float32, medians of 60-100 alternated pairs): on the base model by 0.15
+ * to 2.0 ms of 66-76 (5 runs), on 32 q,v adapters by 0.72 to 1.14 ms (4), on 32 all-module
+ * ones by -1.07 to +1.34 ms of 87-97 (3). Zen 5 has not been measured with it. */
 #if defined(F32_TALL_TILE)
 #define F32_COLS 48
 #define F32_ROWS 8
