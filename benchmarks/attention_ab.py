@@ -2,6 +2,7 @@
 
     python benchmarks/attention_ab.py --against REV [--march native|x86-64-v3|x86-64-v4]
                                       [--dtype bfloat16|float32] [--tokens 300] [--rounds 200]
+                                      [--define NAME ...]
 
 Builds the kernels' C sources of the working tree and of git revision REV, each into a library
 of its own, for this machine or for another x86-64 target (x86-64-v3: the build for CPUs
@@ -9,7 +10,8 @@ without AVX-512, run here), and times one layer's decode attention of 32 sequenc
 tokens each (SmolLM2's heads: 9 query heads on 3 kv heads of 64), their KV pages scattered
 through the cache, with a 64 MiB read before each call so that the keys come from memory as a
 decode step's do. The builds alternate call by call; it prints each one's median and the
-median of the paired differences, and whether the two gave the same bits.
+median of the paired differences, and whether the two gave the same bits. --define NAME builds
+REV with the macro NAME defined too (as layers_ab.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from kernel_ab import against, alternate, build_at
+from kernel_ab import against, alternate, build_at, other_label
 
 HEADS, KV_HEADS, DIM, PAGE_SIZE = 9, 3, 64, 16
 
@@ -36,6 +38,7 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--define", action="append", default=[], help="a macro for REV's build")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -52,10 +55,15 @@ def main() -> None:
     other = torch.ones(64 * 2**20 // 4)  # read before each call: the caches hold none of kv
     with tempfile.TemporaryDirectory() as tmp:
         builds = {}
-        for name, revision in (("working tree", None), (args.against, args.against)):
-            folder = Path(tmp) / name.replace(" ", "-")
+        label = other_label(args.against, args.define)
+        for name, revision, defines in (
+            ("working tree", None, ()),
+            (label, args.against, tuple(args.define)),
+        ):
+            folder = Path(tmp) / ("this" if revision is None else "other")
             folder.mkdir()
-            builds[name] = cpu_lora.CpuAttentionKernel(build_at(revision, folder, args.march))
+            library = build_at(revision, folder, args.march, defines)
+            builds[name] = cpu_lora.CpuAttentionKernel(library)
         outputs = {}
 
         def decode_with(name):
@@ -69,10 +77,11 @@ def main() -> None:
         f"{args.dtype}, -march={args.march}, {n} sequences of {args.tokens} tokens, "
         f"{HEADS} heads on {KV_HEADS} kv heads of {DIM}, {args.rounds} rounds"
     )
+    width = max(map(len, times))
     for name in times:
-        print(f"  {name:14s} {median(times[name]) * 1e6:8.1f} us a call (median)")
-    line = against(times["working tree"], times[args.against], args.against, "us", "call")
-    same = torch.equal(outputs["working tree"], outputs[args.against])
+        print(f"  {name:{width}s} {median(times[name]) * 1e6:8.1f} us a call (median)")
+    line = against(times["working tree"], times[label], label, "us", "call")
+    same = torch.equal(outputs["working tree"], outputs[label])
     print(f"  {line}; the same bits: {same}")
 
 

@@ -93,6 +93,11 @@ def against(ours: list[float], theirs: list[float], revision: str, unit: str, pe
     )
 
 
+def other_label(revision: str, defines: list[str]) -> str:
+    """How the output names the build of `revision` with the macros `defines`."""
+    return " ".join([revision, *(f"-D{name}" for name in defines)])
+
+
 def _source(revision: str | None, name: str) -> bytes:
     """A kernel source file as it is at `revision` (None: in the working tree)."""
     if revision is None:

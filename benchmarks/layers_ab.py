@@ -1,7 +1,7 @@
 """Two builds of the CPU kernels' decoder layers compared in one process, decode step by step.
 
     python benchmarks/layers_ab.py --against REV [--dtype bfloat16|float32] [--rounds 100]
-                                   [--adapters N --modules qv|all]
+                                   [--adapters N --modules qv|all] [--define NAME ...]
 
 kernel_ab.py swaps a build's LoRA calls alone; this swaps the native call that runs every
 decoder layer of a decode step (cpu/layers.c: the projections, norms, rotary embedding,
@@ -13,6 +13,11 @@ their order alternating, and it prints each build's median step and the median o
 differences. Everything outside the layers (the embedding, the LM head, sampling, the
 scheduler) is the working tree's in both, and so are the structures the call takes
 (cpu_lora.DecoderLayer, DecoderStep, LayerLoRA): REV must take the same ones.
+
+--define NAME builds REV with the macro NAME defined too, beside this machine's flags
+(cpu_lora.build_flags): with REV the working tree's own commit, the two builds differ by that
+macro alone, e.g. `--against HEAD --dtype float32 --define F32_FETCH_NEXT` measures the float32
+attention's fetch of the next sequence on a CPU that does not take it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from kernel_ab import against, alternate, build_at
+from kernel_ab import against, alternate, build_at, other_label
 from lora_floor import ALL, QV, add_decoding, load_random_adapters
 
 
@@ -38,6 +43,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=0, help="0: the base model alone")
+    parser.add_argument("--define", action="append", default=[], help="a macro for REV's build")
     parser.add_argument("--modules", choices=("qv", "all"), default="qv")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -48,7 +54,9 @@ def main() -> None:
 
     n = args.sequences
     with tempfile.TemporaryDirectory() as tmp:
-        other = cpu_lora.CpuDecoderLayers(build_at(args.against, Path(tmp)))
+        other = cpu_lora.CpuDecoderLayers(
+            build_at(args.against, Path(tmp), defines=tuple(args.define))
+        )
         llm = LLM(model=str(resolve_model("default")), dtype=args.dtype)
         engine = llm.engine
         modules = QV if args.modules == "qv" else ALL
@@ -62,7 +70,8 @@ def main() -> None:
         model = engine.runner.model
         if model._decoder is None:
             raise SystemExit(f"this CPU runs {args.dtype} decode steps layer by layer")
-        builds = {"working tree": model._decoder, args.against: other}
+        label = other_label(args.against, args.define)
+        builds = {"working tree": model._decoder, label: other}
 
         def step_with(build):
             model._decoder = build
@@ -79,9 +88,10 @@ def main() -> None:
         f"{args.dtype}, {n} sequences on {on}, {args.rounds} rounds; "
         f"{context} tokens in the KV cache at the end"
     )
+    width = max(map(len, times))
     for name in times:
-        print(f"  step, {name:14s} {median(times[name]) * 1e3:7.2f} ms (median)")
-    print(f"  {against(times['working tree'], times[args.against], args.against, 'ms', 'step')}")
+        print(f"  step, {name:{width}s} {median(times[name]) * 1e3:7.2f} ms (median)")
+    print(f"  {against(times['working tree'], times[label], label, 'ms', 'step')}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@
  * AMD's: 4 rows by 96 columns. Zen 4's projections are bound by arithmetic, and there 8 by 48
  * made decode steps of 32 sequences slower in all but one run (2-core, family 25, model 17;
  * layers_ab.py --dtype float32, medians of 60-100 alternated pairs): on the base model by 0.15
- * to 2.0 ms of 66-76 (5 runs), on 32 q,v adapters by 0.72 to 1.14 ms (4), on 32 all-module
+ * to 2.0 ms of 65-76 (6 runs), on 32 q,v adapters by 0.72 to 1.14 ms (4), on 32 all-module
  * ones by -1.07 to +1.34 ms of 87-97 (3). Zen 5 has not been measured with it. */
 #if defined(F32_TALL_TILE)
 #define F32_COLS 48
