@@ -176,6 +176,15 @@ def other_bf16_flags() -> tuple[str, ...]:
     return cpu_lora.FLAGS + FMA_BUILD
 
 
+def build_library(flags, folder) -> ctypes.CDLL:
+    """The kernels' sources compiled with `flags` into a library in `folder`."""
+    target = folder / "cpu_kernels.so"
+    subprocess.run(
+        [cpu_lora._compiler(), *flags, *map(str, cpu_lora.SOURCES), "-o", str(target)], check=True
+    )
+    return ctypes.CDLL(str(target))
+
+
 def build_for(build: str, tmp_path_factory) -> ctypes.CDLL | None:
     """The kernels' library built for `build` (skips where this CPU cannot run it); None for the
     machine's own build, which cpu_lora loads."""
@@ -190,11 +199,7 @@ def build_for(build: str, tmp_path_factory) -> ctypes.CDLL | None:
         pytest.skip("this CPU has no AVX512-BF16")
     flags = other_bf16_flags() if march == "native" else cpu_lora.FLAGS
     flags = [f if f != "-march=native" else f"-march={march}" for f in flags]
-    target = tmp_path_factory.mktemp("kernels") / f"cpu_kernels_{march}.so"
-    subprocess.run(
-        [cpu_lora._compiler(), *flags, *map(str, cpu_lora.SOURCES), "-o", str(target)], check=True
-    )
-    return ctypes.CDLL(str(target))
+    return build_library(flags, tmp_path_factory.mktemp("kernels"))
 
 
 def kernel_for(build: str, tmp_path_factory, kernel_class: type, load):

@@ -5,15 +5,14 @@ end in a vdpbf16ps tail); decode-sized batches take it and larger ones oneDNN (o
 AMX and in the FMA build: rows 32 at a time), with the same results to a rounding step; and the
 adapter rows a fetching projection is asked to bring into cache are exactly those the LoRA call
 after it reads. float32 (the engine's on AMD's CPUs and Intel's with AVX-512, tested on any CPU
-with AVX-512 or AVX2 and FMA, and where the machine's build has AVX-512, in the AVX2 build too):
-the product to float32's precision, and with its LoRA call in the same native call, the bits of
-the two apart; where it takes batches of every size (Zen 2), prompt chunks too, from its one copy
-of W, and an engine so matches transformers and PEFT."""
+with AVX-512 or AVX2 and FMA, and where the machine's build has AVX-512, with its other AVX-512
+tile and in the AVX2 build too): the product to float32's precision, and with its LoRA call in
+the same native call, the bits of the two apart; where it takes batches of every size (Zen 2),
+prompt chunks too, from its one copy of W, and an engine so matches transformers and PEFT."""
 
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from loraplex.kernels import cpu_lora
 from tests.engine.test_adapters import peft_reference
 from tests.engine.test_fidelity import CHUNK, mixed_prompts
 from tests.factories import cpu_flags, make_llm
-from tests.kernels.test_lora_kernels import bind_one, build_for, other_bf16_flags
+from tests.kernels.test_lora_kernels import bind_one, build_for, build_library, other_bf16_flags
 from tests.oracle import assert_matches_reference
 
 bf16_native = pytest.mark.skipif(
@@ -40,12 +39,7 @@ STEP = 2.0**-7  # a bfloat16 rounding step, relative
 def other_build(tmp_path_factory) -> tuple[cpu_lora.CpuLinearBf16, cpu_lora.CpuLoRAKernel]:
     """The projection's other build for this CPU (other_bf16_flags), and its LoRA kernel."""
     fma = "-DBF16_BY_FMA" in cpu_lora.build_flags()
-    target = tmp_path_factory.mktemp("kernels") / "cpu_kernels_other.so"
-    sources = [str(source) for source in cpu_lora.SOURCES]
-    subprocess.run(
-        [cpu_lora._compiler(), *other_bf16_flags(), *sources, "-o", str(target)], check=True
-    )
-    lib = ctypes.CDLL(str(target))
+    lib = build_library(other_bf16_flags(), tmp_path_factory.mktemp("kernels"))
     kernel = cpu_lora.CpuLinearBf16(lib)
     assert kernel.any_rows != fma and kernel.supports(torch.bfloat16)
     return kernel, cpu_lora.CpuLoRAKernel(lib)
@@ -63,13 +57,26 @@ def build(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(scope="module", params=["native", "without AVX-512"])
+TALL_TILE = "-DF32_TALL_TILE"
+
+
+def other_tile_flags() -> tuple[str, ...]:
+    """This machine's flags with the other AVX-512 float32 tile: 8 rows by 48 columns where it
+    takes 4 by 96 (AMD's), 4 by 96 where it takes 8 by 48 (Intel's Xeons)."""
+    flags = cpu_lora.build_flags()
+    return tuple(f for f in flags if f != TALL_TILE) if TALL_TILE in flags else (*flags, TALL_TILE)
+
+
+@pytest.fixture(scope="module", params=["native", "other AVX-512 tile", "without AVX-512"])
 def f32_library(request, tmp_path_factory) -> ctypes.CDLL:
     """The library with the float32 projection: the machine's build, and where that has
-    AVX-512, the AVX2 build too (its other tile)."""
+    AVX-512, the same build with the other AVX-512 tile and the AVX2 build (its tile)."""
     if request.param != "native" and "avx512f" not in cpu_flags():
         pytest.skip("the machine's own build is the AVX2 one")
-    lib = build_for(request.param, tmp_path_factory) or cpu_lora.library()
+    if request.param == "other AVX-512 tile":
+        lib = build_library(other_tile_flags(), tmp_path_factory.mktemp("kernels"))
+    else:
+        lib = build_for(request.param, tmp_path_factory) or cpu_lora.library()
     if lib is None or not lib.linear_native_f32():
         pytest.skip("the library has no float32 projection on this CPU (no AVX2 and FMA)")
     return lib
@@ -281,7 +288,7 @@ def projection_and_call_give_their_bits_apart(
     return True
 
 
-# every tile's row count: the AVX-512 build's tiles take 8 rows, the AVX2 build's 4
+# every tile's row count: 8 rows in the AVX-512 build's tall tile (Intel's), 4 in the others
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 32, 33])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 37), (1, 1), (97, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
