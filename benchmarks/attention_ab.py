@@ -2,7 +2,7 @@
 
     python benchmarks/attention_ab.py --against REV [--march native|x86-64-v3|x86-64-v4]
                                       [--dtype bfloat16|float32] [--tokens 300] [--rounds 200]
-                                      [--define NAME ...]
+                                      [--define NAME ...] [--undefine NAME ...]
 
 Builds the kernels' C sources of the working tree and of git revision REV, each into a library
 of its own, for this machine or for another x86-64 target (x86-64-v3: the build for CPUs
@@ -11,7 +11,8 @@ tokens each (SmolLM2's heads: 9 query heads on 3 kv heads of 64), their KV pages
 through the cache, with a 64 MiB read before each call so that the keys come from memory as a
 decode step's do. The builds alternate call by call; it prints each one's median and the
 median of the paired differences, and whether the two gave the same bits. --define NAME builds
-REV with the macro NAME defined too (as layers_ab.py).
+REV with the macro NAME defined too, --undefine NAME without that macro of this machine's flags
+(as layers_ab.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from kernel_ab import against, alternate, build_at, other_label
+from kernel_ab import add_macro_options, against, alternate, build_at, other_label
 
 HEADS, KV_HEADS, DIM, PAGE_SIZE = 9, 3, 64, 16
 
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--define", action="append", default=[], help="a macro for REV's build")
+    add_macro_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -55,14 +56,14 @@ def main() -> None:
     other = torch.ones(64 * 2**20 // 4)  # read before each call: the caches hold none of kv
     with tempfile.TemporaryDirectory() as tmp:
         builds = {}
-        label = other_label(args.against, args.define)
-        for name, revision, defines in (
-            ("working tree", None, ()),
-            (label, args.against, tuple(args.define)),
+        label = other_label(args.against, args.define, args.undefine)
+        for name, revision, defines, undefines in (
+            ("working tree", None, (), ()),
+            (label, args.against, tuple(args.define), tuple(args.undefine)),
         ):
             folder = Path(tmp) / ("this" if revision is None else "other")
             folder.mkdir()
-            library = build_at(revision, folder, args.march, defines)
+            library = build_at(revision, folder, args.march, defines, undefines)
             builds[name] = cpu_lora.CpuAttentionKernel(library)
         outputs = {}
 

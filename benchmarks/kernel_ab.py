@@ -39,11 +39,15 @@ KERNELS = "loraplex/kernels/cpu"
 
 
 def build_at(
-    revision: str | None, folder: Path, march: str = "native", defines: tuple[str, ...] = ()
+    revision: str | None,
+    folder: Path,
+    march: str = "native",
+    defines: tuple[str, ...] = (),
+    undefines: tuple[str, ...] = (),
 ) -> ctypes.CDLL:
     """The kernels' library built from their sources at `revision` (None: the working tree's),
     with this machine's flags, or for the x86-64 target `march` in place of -march=native, and
-    the macros `defines` defined."""
+    the macros `defines` defined, those of `undefines` left out of this machine's flags."""
     from loraplex.kernels import cpu_lora
 
     if revision is None:
@@ -59,6 +63,7 @@ def build_at(
     sources = sorted(folder / name for name in listing if name.endswith(".c"))
     command = cpu_lora.compile_command(cpu_lora._compiler(), sources, target)
     command = [f"-march={march}" if flag == "-march=native" else flag for flag in command]
+    command = [flag for flag in command if flag not in {f"-D{name}" for name in undefines}]
     command[1:1] = [f"-D{name}" for name in defines]
     subprocess.run(command, check=True)
     return ctypes.CDLL(str(target))
@@ -93,9 +98,19 @@ def against(ours: list[float], theirs: list[float], revision: str, unit: str, pe
     )
 
 
-def other_label(revision: str, defines: list[str]) -> str:
-    """How the output names the build of `revision` with the macros `defines`."""
-    return " ".join([revision, *(f"-D{name}" for name in defines)])
+def other_label(revision: str, defines: list[str], undefines: list[str] = ()) -> str:
+    """How the output names the build of `revision` with the macros `defines`, without
+    `undefines`."""
+    return " ".join([revision, *(f"-D{name}" for name in defines)] + [f"-U{u}" for u in undefines])
+
+
+def add_macro_options(parser) -> None:
+    """--define and --undefine, for the other revision's build (build_at)."""
+    parser.add_argument("--define", action="append", default=[], help="a macro for REV's build")
+    parser.add_argument(
+        "--undefine", action="append", default=[],
+        help="a macro of this machine's flags (cpu_lora.build_flags) left out of REV's build",
+    )  # fmt: skip
 
 
 def _source(revision: str | None, name: str) -> bytes:

@@ -2,6 +2,7 @@
 
     python benchmarks/layers_ab.py --against REV [--dtype bfloat16|float32] [--rounds 100]
                                    [--adapters N --modules qv|all] [--define NAME ...]
+                                   [--undefine NAME ...]
 
 kernel_ab.py swaps a build's LoRA calls alone; this swaps the native call that runs every
 decoder layer of a decode step (cpu/layers.c: the projections, norms, rotary embedding,
@@ -17,7 +18,9 @@ scheduler) is the working tree's in both, and so are the structures the call tak
 --define NAME builds REV with the macro NAME defined too, beside this machine's flags
 (cpu_lora.build_flags): with REV the working tree's own commit, the two builds differ by that
 macro alone, e.g. `--against HEAD --dtype float32 --define F32_FETCH_NEXT` measures the float32
-attention's fetch of the next sequence on a CPU that does not take it.
+attention's fetch of the next sequence on a CPU that does not take it. --undefine NAME leaves a
+macro of this machine's flags out of REV's build: `--against HEAD --dtype float32 --undefine
+F32_TALL_TILE --undefine F32_FETCH_NEXT` measures both against neither on an Intel Xeon.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from kernel_ab import against, alternate, build_at, other_label
+from kernel_ab import add_macro_options, against, alternate, build_at, other_label
 from lora_floor import ALL, QV, add_decoding, load_random_adapters
 
 
@@ -43,8 +46,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=0, help="0: the base model alone")
-    parser.add_argument("--define", action="append", default=[], help="a macro for REV's build")
     parser.add_argument("--modules", choices=("qv", "all"), default="qv")
+    add_macro_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -55,7 +58,9 @@ def main() -> None:
     n = args.sequences
     with tempfile.TemporaryDirectory() as tmp:
         other = cpu_lora.CpuDecoderLayers(
-            build_at(args.against, Path(tmp), defines=tuple(args.define))
+            build_at(
+                args.against, Path(tmp), defines=tuple(args.define), undefines=tuple(args.undefine)
+            )
         )
         llm = LLM(model=str(resolve_model("default")), dtype=args.dtype)
         engine = llm.engine
@@ -70,7 +75,7 @@ def main() -> None:
         model = engine.runner.model
         if model._decoder is None:
             raise SystemExit(f"this CPU runs {args.dtype} decode steps layer by layer")
-        label = other_label(args.against, args.define)
+        label = other_label(args.against, args.define, args.undefine)
         builds = {"working tree": model._decoder, label: other}
 
         def step_with(build):

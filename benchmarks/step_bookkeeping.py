@@ -9,7 +9,7 @@ its LoRA metadata is built anew every step:
 
 * the token runs and the row tables they read (in build_forward_batch);
 * each projection's LoRA calls and the rows it fetches (CausalLM._lora_steps);
-* their native form, for the decoder layers' one native call (BatchSteps.native_calls).
+* their native form, for the decoder layers' one native call (lora_steps.BatchSteps.native_calls).
 
 This times those three in every step as the engine runs it, with the caches cold after the
 native work of the step before, and the same on the base model under the same arrivals (where
@@ -65,10 +65,14 @@ def one_round(modules: str, steps: int) -> dict[str, dict[str, float]]:
     from loraplex.engine import model, runner
     from loraplex.engine.default_model import resolve_model
 
+    try:
+        from loraplex.engine import lora_steps
+    except ImportError:  # a revision before lora_steps.py, whose model.py held BatchSteps
+        lora_steps = model
     spent: list[float] = []
     timed(runner, "build_forward_batch", spent)
     timed(model.CausalLM, "_lora_steps", spent)
-    timed(model.BatchSteps, "native_calls", spent)
+    timed(lora_steps.BatchSteps, "native_calls", spent)
     llm = LLM(model=str(resolve_model("default")), dtype="bfloat16", max_num_batched_tokens=256)
     engine = llm.engine
     folder = tempfile.TemporaryDirectory()

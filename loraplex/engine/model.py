@@ -9,13 +9,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.adapters.lora_batch import KernelLoRA, Modules, ProjectionLoRA, TorchLoRA
+from loraplex.engine.adapters.lora_batch import Modules, TorchLoRA
 from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
@@ -23,6 +23,16 @@ from loraplex.engine.device import Linear, choose_ops
 from loraplex.engine.fetch_placement import FetchPlacement
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.kv_cache import KVCacheManager
+from loraplex.engine.lora_steps import (
+    NO_LORA,
+    BatchSteps,
+    LayerLoRA,
+    ProjectionStep,
+    StepLoRA,
+    StridedSteps,
+    own_fetch,
+    projection_step,
+)
 from loraplex.engine.rope import RotaryEmbedding
 from loraplex.kernels import cpu_lora
 
@@ -130,7 +140,7 @@ class CausalLM:
         steps = self._lora_steps(batch, x)
         # where gate_up may fetch the next layer's q,k,v rows, whether it does or each q,k,v
         # projection fetches its own is timed (fetch_placement.py)
-        timed = steps.layers[0].ahead is not None
+        timed = steps.fetches_ahead
         fetch_ahead = not timed or self.fetch_placement.choose()
         if self._takes_fused(batch, x.shape[0], steps):
             lora = steps.native_calls(fetch_ahead)
@@ -245,12 +255,22 @@ class CausalLM:
             return self._no_lora
         if self._steps is not None and self._steps.lora is lora:
             return self._steps
+        strided = self._strided_steps(lora, rows, x.dtype)
+        layers = functools.partial(self._layer_steps, lora, rows, x.dtype)
+        self._steps = BatchSteps(lora, layers, strided)
+        return self._steps
+
+    def _layer_steps(
+        self, lora: StepLoRA, rows: int, dtype: torch.dtype
+    ) -> tuple[list[LayerLoRA], bool]:
+        """Each layer's projection steps for a batch of `rows` rows, and whether cpu/layers.c
+        can make all their LoRA calls."""
         projections = [
             (
-                _projection_step(lora, index, self._qkv_modules, rows, layer.qkv),
-                _projection_step(lora, index, self._o_modules, rows, layer.o),
-                _projection_step(lora, index, self._gate_up_modules, rows, layer.gate_up),
-                _projection_step(lora, index, self._down_modules, rows, layer.down),
+                projection_step(lora, index, self._qkv_modules, rows, layer.qkv),
+                projection_step(lora, index, self._o_modules, rows, layer.o),
+                projection_step(lora, index, self._gate_up_modules, rows, layer.gate_up),
+                projection_step(lora, index, self._down_modules, rows, layer.down),
             )
             for index, layer in enumerate(self.layers)
         ]
@@ -261,9 +281,41 @@ class CausalLM:
             next_qkv = projections[index + 1][0] if index + 1 < len(projections) else NO_LORA
             ahead = self._next_qkv_rows(lora, index, layer, rows, gate_up, next_qkv)
             steps.append(LayerLoRA(qkv, o, gate_up, down, ahead))
-        native = self._decoder is not None and self._native_steps(steps, rows, x.dtype)
-        self._steps = BatchSteps(lora, steps, native)
-        return self._steps
+        return steps, self._decoder is not None and self._native_steps(steps, rows, dtype)
+
+    def _strided_steps(self, lora: StepLoRA, rows: int, dtype: torch.dtype) -> StridedSteps | None:
+        """The batch's LoRA for every layer at once, where each projection's is one native call
+        in it, the same in every layer but for where its tables are (TorchLoRA.layer_call): made
+        without a step a layer, for cpu/layers.c; None where it is not that, or the layers take
+        no native call."""
+        if self._decoder is None or not isinstance(lora, TorchLoRA):
+            return None
+        first, parts = self.layers[0], []
+        projections = (first.qkv, first.o, first.gate_up, first.down)
+        for modules, projection in zip(self._modules, projections, strict=True):
+            layer_call = lora.layer_call(modules)
+            if layer_call is None:
+                return None
+            fetch = None
+            if layer_call.call is not None:
+                if not projection.native_rows(rows):
+                    return None
+                layer_call.call.check_fits(rows, projection.out_features, dtype, dtype)
+                own = own_fetch(projection, rows, fused=True)
+                if own is not None:
+                    fetch = lora.layer_fetch(modules, projection.in_features, shrinks_only=own)
+            parts.append((layer_call, fetch))
+        # as _next_qkv_rows decides it for each layer but the last
+        (qkv, _), (gate_up, _) = parts[0], parts[2]
+        ahead = None
+        if (
+            len(self.layers) > 1
+            and gate_up.call is None
+            and qkv.call is not None
+            and first.gate_up.fetches_decode_rows(rows)
+        ):
+            ahead = lora.layer_fetch(self._qkv_modules, self.config.hidden_size)
+        return StridedSteps(tuple(parts), ahead)
 
     def _native_steps(self, steps: list[LayerLoRA], rows: int, dtype: torch.dtype) -> bool:
         """Whether every LoRA call of `steps` is a native kernel call, which cpu/layers.c can
@@ -283,9 +335,13 @@ class CausalLM:
 
     @functools.cached_property
     def _no_lora(self) -> BatchSteps:
-        return BatchSteps(
-            None, [LayerLoRA(NO_LORA, NO_LORA, NO_LORA, NO_LORA, None)] * len(self.layers), True
-        )
+        no_lora = LayerLoRA(NO_LORA, NO_LORA, NO_LORA, NO_LORA, None)
+        return BatchSteps(None, lambda: ([no_lora] * len(self.layers), True))
+
+    @functools.cached_property
+    def _modules(self) -> tuple[Modules, ...]:
+        """The modules of each projection of a layer: q,k,v, o, gate_up, down."""
+        return self._qkv_modules, self._o_modules, self._gate_up_modules, self._down_modules
 
     def _attention(
         self,
@@ -346,64 +402,6 @@ class CausalLM:
         return _project(step.down, hidden, layer.down)
 
 
-@dataclass
-class BatchSteps:
-    """A batch's LoRA steps (CausalLM._lora_steps), kept while its LoRA metadata (`lora`, None
-    for a batch without adapters) is unchanged: whether cpu/layers.c can make every LoRA call
-    of theirs (`native`), and, once asked, them as it takes them, by fetch placement."""
-
-    lora: StepLoRA | None
-    layers: list[LayerLoRA]
-    native: bool
-    _calls: dict[bool, tuple[ctypes.Array, list]] = field(default_factory=dict)
-
-    def native_calls(self, fetch_ahead: bool) -> ctypes.Array | None:
-        """The steps as cpu/layers.c takes them (None without adapters)."""
-        if self.lora is None:
-            return None
-        if fetch_ahead not in self._calls:
-            self._calls[fetch_ahead] = _native_lora(self.layers, fetch_ahead)
-        return self._calls[fetch_ahead][0]
-
-
-def _native_lora(steps: list[LayerLoRA], fetch_ahead: bool) -> tuple[ctypes.Array, list]:
-    """A batch's LoRA steps as cpu/layers.c takes them, each projection's LoRA calls and fetch
-    as _layer_by_layer and _project make them -> them, and the arrays they point to (the steps
-    hold the rest)."""
-    layers, held, fetched = [], [], False
-    for step in steps:
-        ahead = step.ahead if fetch_ahead else None
-        layers.append(
-            cpu_lora.LayerLoRA(
-                _native_projection(step.qkv, held, fetched=fetched),
-                _native_projection(step.o, held),
-                _native_projection(step.gate_up, held, ahead),
-                _native_projection(step.down, held),
-            )
-        )
-        fetched = ahead is not None
-    return (cpu_lora.LayerLoRA * len(layers))(*layers), held
-
-
-_NO_STEP = cpu_lora.StepProjection.of(None, None, None)  # copied into each LayerLoRA it is in
-
-
-def _native_projection(
-    step: ProjectionStep,
-    held: list,
-    ahead: cpu_lora.Fetch | None = None,
-    fetched: bool = False,
-) -> cpu_lora.StepProjection:
-    """What _project does with a step, as cpu/layers.c takes it (arrays it makes put in `held`)."""
-    if step.plan is None:
-        return _NO_STEP if ahead is None else cpu_lora.StepProjection.of(None, None, ahead)
-    fetch = None if fetched else step.fetch
-    if step.fused is not None:
-        return cpu_lora.StepProjection.of(step.fused, None, fetch)
-    held.append(cpu_lora.after_calls(step.plan.calls))
-    return cpu_lora.StepProjection.of(None, held[-1], fetch)
-
-
 def _decoder_layer(
     layer: Layer, next_norm: torch.Tensor | None, cache: torch.Tensor
 ) -> cpu_lora.DecoderLayer:
@@ -416,54 +414,6 @@ def _decoder_layer(
         packed[0], bias, *packed[1:], layer.post_attention_norm.data_ptr(),
         next_norm.data_ptr() if next_norm is not None else None, cache.data_ptr(),
     )  # fmt: skip
-
-
-StepLoRA = TorchLoRA | KernelLoRA  # a step's LoRA metadata (lora_batch.build_lora_batch)
-
-
-@dataclass(frozen=True)
-class ProjectionStep:
-    """What one projection of one layer takes from a step's LoRA metadata: its plan (None where
-    no adapter changes it), the adapter rows it brings into cache itself where it fetches, and
-    the LoRA call its native call makes, where it makes it."""
-
-    plan: ProjectionLoRA | None
-    fetch: cpu_lora.Fetch | None = None
-    fused: cpu_lora.BoundLoRA | None = None
-
-
-NO_LORA = ProjectionStep(None)
-
-
-@dataclass(frozen=True)
-class LayerLoRA:
-    """A layer's projection steps, and the next layer's q,k,v rows its gate_up may fetch."""
-
-    qkv: ProjectionStep
-    o: ProjectionStep
-    gate_up: ProjectionStep
-    down: ProjectionStep
-    ahead: cpu_lora.Fetch | None
-
-
-def _projection_step(
-    lora: StepLoRA, layer: int, modules: Modules, rows: int, projection: Linear
-) -> ProjectionStep:
-    """The step of the projection of `modules` in `layer` on a 2-D input of `rows` rows: the
-    adapter rows brought into cache during the projection where it fetches (bfloat16 on
-    AVX512-BF16 without AMX, float32 on Zen 4 and 5; float32 on Intel with AVX512-FP16, the A
-    rows of the LoRA call it makes itself), and the LoRA call made in its native call where it
-    takes it."""
-    plan = lora.plan(layer, modules)
-    if plan is None:
-        return NO_LORA
-    fused = plan.fused if plan.fused is not None and projection.native_rows(rows) else None
-    fetch = None
-    if projection.fetches_rows(rows):
-        fetch = lora.fetch(layer, modules, projection.in_features)
-    elif fused is not None and projection.fetches_shrink_rows(rows):
-        fetch = lora.fetch(layer, modules, projection.in_features, shrinks_only=True)
-    return ProjectionStep(plan, fetch, fused)
 
 
 def _project(

@@ -250,6 +250,7 @@ class Outputs:
     def __init__(self, parts: list[tuple[int, int, int]]) -> None:
         if not 0 < len(parts) <= MAX_MODULES:
             raise ValueError(f"a call writes 1 to {MAX_MODULES} modules, got {len(parts)}")
+        self.parts = tuple(parts)  # (table row, first column, width) of each module
         self.rows = torch.tensor([row for row, _, _ in parts], dtype=torch.int64)
         self.table_key = tuple(row for row, _, _ in parts)  # the table rows, as a dict key
         self.columns = torch.tensor([start for _, start, _ in parts], dtype=torch.int64)
@@ -276,8 +277,9 @@ class CpuLoRAKernel(_PerDtype):
         start: int,
         end: int,
     ) -> list[BoundLoRA | None]:
-        """For each layer i, the kernel on rows start..end of x and y, as a call of (x, y) alone
-        (None where outputs[i] is None): y[t, cols_j] += scales[s] * (x[t] @ A_s,j^T) @ B_s,j
+        """For each layer i of the first len(outputs), the kernel on rows start..end of x and y,
+        as a call of (x, y) alone (None where outputs[i] is None):
+        y[t, cols_j] += scales[s] * (x[t] @ A_s,j^T) @ B_s,j
         for each of those rows t and every output j of outputs[i], s = slots[t - start], with
         run s's rows of module row m at a_rows[i, m, s*rank : (s+1)*rank] and b_rows[...] in
         the flat pool (int64 [layers, module rows, n], rows contiguous, as is slots); scales
@@ -290,8 +292,8 @@ class CpuLoRAKernel(_PerDtype):
         checked once for all layers, and no view of a layer's is made: bound a layer at a time
         in a step (120 calls on all-module adapters), binding took about 16 us a call, more than
         in a loop of its own, with the caches cold after the step before."""
-        if a_rows.dim() != 3 or len(outputs) != a_rows.shape[0]:
-            raise ValueError("the row tables need a layer each, and outputs for every layer")
+        if a_rows.dim() != 3 or len(outputs) > a_rows.shape[0]:
+            raise ValueError("the row tables need a layer each, and outputs for layers in them")
         if rank > MAX_RANK:
             raise ValueError(f"the CPU LoRA kernel takes ranks up to {MAX_RANK}, got {rank}")
         if a_rows.stride(-1) != 1 or slots.numel() != end - start:
@@ -301,7 +303,7 @@ class CpuLoRAKernel(_PerDtype):
         if a_rows.shape != b_rows.shape or a_rows.stride() != b_rows.stride():
             raise ValueError("a_rows and b_rows differ in layout")
         function, held = self._functions[pool.dtype], (pool, a_rows, b_rows, slots, scales)
-        step = a_rows.stride(0) * a_rows.element_size()  # b_rows' too (the same layout)
+        step = layer_stride(a_rows)  # b_rows' too (the same layout)
         a_at, b_at = a_rows.data_ptr(), b_rows.data_ptr()
         tables = (a_rows.stride(1), pool.data_ptr(), slots.data_ptr(), rank, scales.data_ptr())
         threads = torch.get_num_threads()
@@ -311,6 +313,12 @@ class CpuLoRAKernel(_PerDtype):
             args = (function, pool.dtype, (*held, o), o, start, end, threads, *at)
             calls.append(None if o is None else BoundLoRA(*args))
         return calls
+
+
+def layer_stride(rows: torch.Tensor) -> int:
+    """Bytes from one layer's row table to the next's: what a call bound for one layer
+    (CpuLoRAKernel.bind_layers) moves by to be the next layer's (StridedProjection)."""
+    return rows.stride(0) * rows.element_size()
 
 
 class BoundLoRA:
@@ -562,6 +570,20 @@ class Fetch:
 _NO_FETCH = (None, None, 0)
 
 
+class LayerFetch:
+    """Memory ranges of every layer: addresses at [layers, fetches] (int64, rows contiguous)
+    and their lengths in bytes nbytes [fetches], the same in every layer."""
+
+    def __init__(self, at: torch.Tensor, nbytes: torch.Tensor) -> None:
+        if at.dim() != 2 or at.stride(1) != 1 or nbytes.shape != at.shape[1:]:
+            raise ValueError("a layer's addresses a row, rows contiguous, and a length each")
+        self.at, self.bytes = at, nbytes.contiguous()
+
+    def layer(self, i: int) -> Fetch:
+        """Layer i's ranges."""
+        return Fetch(self.at[i], self.bytes)
+
+
 class _NativeLinear(_PerDtype):
     """A dense projection of the library's (y = x W^T (+ b) with W packed once) in one dtype,
     where it runs natively: `fetches`, whether it takes memory ranges to bring into cache
@@ -786,25 +808,62 @@ class LayerLoRA(ctypes.Structure):
     _fields_ = [(name, StepProjection) for name in ("qkv", "o", "gate_up", "down")]
 
 
+class StridedFetch(ctypes.Structure):
+    """Memory ranges of every layer, as cpu/layers.c takes them: layer i's `fetches` ranges
+    start at at + i * stride (in ranges), their lengths the same in every layer."""
+
+    _fields_ = [("at", ctypes.c_void_p), ("bytes", ctypes.c_void_p)]
+    _fields_ += [("fetches", ctypes.c_int64), ("stride", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, fetch: LayerFetch | None) -> StridedFetch:
+        """`fetch`'s ranges (none for None), held by the caller as long as the structure."""
+        if fetch is None:
+            return cls(None, None, 0, 0)
+        at, nbytes = fetch.at, fetch.bytes
+        return cls(at.data_ptr(), nbytes.data_ptr(), at.shape[1], at.stride(0))
+
+
+class StridedProjection(ctypes.Structure):
+    """A projection's LoRA in every layer, as cpu/layers.c takes it: one call in the
+    projection's own native call (layer 0's binding, or None), layer i's with its row tables
+    rows_stride bytes on per layer, and the ranges it fetches meanwhile."""
+
+    _fields_ = [("lora", ctypes.c_void_p), ("rows_stride", ctypes.c_int64)]
+    _fields_ += [("fetch", StridedFetch)]
+
+
+class StridedLoRA(ctypes.Structure):
+    """A step's LoRA where each projection's is the same in every layer but for where its
+    tables and ranges are, as cpu/layers.c takes it; with `ahead` ranges, each layer's gate_up
+    fetches the next layer's and that q,k,v projection none of its own."""
+
+    _fields_ = [(name, StridedProjection) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("ahead", StridedFetch)]
+
+
 class CpuDecoderLayers(_PerDtype):
     """A bfloat16 or float32 step's decoder layers in one native call (cpu/layers.c): the calls
     CausalLM.forward otherwise makes one by one, with the same bits."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int]
+        argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int]
         self._functions = _bind(lib, "decode_layers", argtypes, ctypes.c_int)
 
     def __call__(
         self, dtype: torch.dtype, layers, shape: DecoderShape, step: DecoderStep, lora=None
     ) -> None:
-        """Runs `layers` (a ctypes array of DecoderLayer, of `dtype`) on `step`, with `lora` (an
-        array of LayerLoRA as long, or None: no adapters); raises ValueError where a call
-        refused (a position past the rotary table, a shape a kernel does not take)."""
-        if lora is not None and len(lora) != len(layers):
+        """Runs `layers` (a ctypes array of DecoderLayer, of `dtype`) on `step`, with `lora`: an
+        array of LayerLoRA as long, a StridedLoRA for every layer, or None (no adapters); raises
+        ValueError where a call refused (a position past the rotary table, a shape a kernel does
+        not take)."""
+        strided = isinstance(lora, StridedLoRA)
+        if lora is not None and not strided and len(lora) != len(layers):
             raise ValueError("one LayerLoRA a layer")
+        at = ctypes.addressof(lora) if lora is not None else None
         status = self._functions[dtype](
             ctypes.addressof(layers), len(layers), ctypes.addressof(shape),
-            ctypes.addressof(step), ctypes.addressof(lora) if lora is not None else None,
+            ctypes.addressof(step), None if strided else at, at if strided else None,
             torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:

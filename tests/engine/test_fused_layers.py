@@ -3,15 +3,17 @@ where every projection is native for its rows, with the batch's LoRA calls made 
 projections in it. They must give the bits of the calls the model otherwise makes one by one, in
 prompt chunks (bfloat16) and decode steps alike, with biases on q,k,v (the tiny Qwen2) and
 without, with adapters of several ranks and module sets in one batch beside requests without
-one, wherever the q,k,v rows are fetched."""
+one, wherever the q,k,v rows are fetched; and where every adapter of a batch has one shape on
+every layer, with each projection's LoRA bound once for all layers (cpu_lora.StridedLoRA)."""
 
 from __future__ import annotations
 
 import pytest
 
 from loraplex import LoRARequest, SamplingParams
-from loraplex.engine.adapters.peft_format import random_peft_adapter
-from tests.factories import make_llm
+from loraplex.engine.adapters.peft_format import MODULES, random_peft_adapter
+from loraplex.kernels import cpu_lora
+from tests.factories import build_adapter, make_llm
 
 PROMPTS = [
     "the river city",
@@ -42,23 +44,34 @@ def fused_llm(model_dir, dtype: str):
     model = llm.engine.runner.model
     if model._decoder is None or not model.layers[0].qkv.native_rows(1):
         pytest.skip(f"no native {dtype} projection on this CPU")
-    # steps in one native call (with LoRA); steps of decode tokens alone (with LoRA), which it
-    # must take in either dtype (bfloat16 takes prompt chunks too), and those it did not take
-    counts = {"all": 0, "lora": 0, "decode": 0, "decode lora": 0, "decode apart": 0}
+    # steps in one native call (with LoRA, and with it bound for all layers at once); steps
+    # without a prompt span apart (with LoRA), which it must take in either dtype (bfloat16
+    # takes prompt chunks as rows too), and those it did not take; steps of decode tokens alone
+    # with LoRA (and those bound for all layers at once)
+    counts = {"all": 0, "lora": 0, "strided": 0, "decode": 0, "decode lora": 0}
+    counts |= {"decode apart": 0, "decodes alone": 0, "strided decodes alone": 0}
     fuse, forward = model._decoder, model.forward
 
     def counted(dtype, layers, shape, step, lora=None):
         counts["all"] += 1
         counts["lora"] += lora is not None
+        counts["strided"] += isinstance(lora, cpu_lora.StridedLoRA)
         return fuse(dtype, layers, shape, step, lora)
 
     def counted_forward(batch, kv):
-        calls = counts["all"]
+        calls, strided = counts["all"], counts["strided"]
         out = forward(batch, kv)
         if model.fuse_layers and not batch.prefills:
             counts["decode"] += 1
             counts["decode lora"] += batch.lora is not None
             counts["decode apart"] += counts["all"] == calls
+        if (
+            model.fuse_layers
+            and batch.lora is not None
+            and batch.num_decodes == len(batch.input_ids)
+        ):
+            counts["decodes alone"] += 1
+            counts["strided decodes alone"] += counts["strided"] > strided
         return out
 
     model._decoder, model.forward = counted, counted_forward
@@ -103,7 +116,57 @@ def test_fused_layers_with_adapters_give_the_bits_of_the_calls_one_by_one(
     assert counts["all"] == 0
     assert run(llm, fused=True, adapters=adapters) == one_by_one
     assert counts["decode lora"] >= 4 and counts["decode apart"] == 0
-    # the adapters change what they touch, so a LoRA call left out or misplaced shows
+    # steps of several shapes took a LayerLoRA a layer (steps of one shape alone, strided)
+    assert counts["lora"] - counts["strided"] >= 4
+    assert_changed(llm, one_by_one, adapters, len(loras))
+
+
+def assert_changed(llm, outputs: list, adapters: list, at_least: int) -> None:
+    """The adapters change what they touch, so a LoRA call left out or misplaced shows."""
     base = run(llm, fused=True, adapters=[None] * len(adapters))
-    changed = [ours[0] != theirs[0] for ours, theirs in zip(one_by_one, base, strict=True)]
-    assert sum(changed) >= len(loras)
+    changed = [ours[0] != theirs[0] for ours, theirs in zip(outputs, base, strict=True)]
+    assert sum(changed) >= at_least
+
+
+ONE_SHAPE = {"q,v": (4, ("q_proj", "v_proj")), "all seven": (2, MODULES), "MLP": (8, MODULES[4:])}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("shape", ONE_SHAPE)
+@pytest.mark.parametrize("fetch_ahead", [True, False])
+def test_adapters_of_one_shape_are_bound_once_for_every_layer_with_the_same_bits(
+    tiny_model_dirs, tmp_path, shape, fetch_ahead, dtype
+):
+    llm, counts = fused_llm(tiny_model_dirs["llama"], dtype)
+    engine = llm.engine
+    engine.runner.model.fetch_placement.fix(fetch_ahead)
+    rank, modules = ONE_SHAPE[shape]
+    loras = [
+        LoRARequest(f"a{i}", str(random_peft_adapter(tmp_path / f"a{i}", engine.model_config,
+                                                     rank, modules, i, 0.2)))
+        for i in range(3)
+    ]  # fmt: skip
+    adapters = [*loras, None, *loras]
+    one_by_one = run(llm, fused=False, adapters=adapters)
+    assert run(llm, fused=True, adapters=adapters) == one_by_one
+    assert counts["decode lora"] >= 4 and counts["decode apart"] == 0
+    # a step whose prompt chunks put a request without adapter between two of them has its
+    # runs in two groups, each its own binding; decode steps hold one group
+    assert counts["strided decodes alone"] == counts["decodes alone"] >= 4
+    assert_changed(llm, one_by_one, adapters, len(loras))
+
+
+def test_adapters_on_some_layers_alone_take_a_binding_a_layer(tiny_model_dirs, tmp_path):
+    model_dir = tiny_model_dirs["llama"]
+    llm, counts = fused_llm(model_dir, "bfloat16")
+    loras = [
+        LoRARequest(f"a{i}", str(build_adapter(model_dir, tmp_path / f"a{i}", 4, seed=i,
+                                               layers=[1])))
+        for i in range(2)
+    ]  # fmt: skip
+    adapters = [*loras, None, *loras]
+    one_by_one = run(llm, fused=False, adapters=adapters)
+    assert run(llm, fused=True, adapters=adapters) == one_by_one
+    assert counts["decode lora"] >= 4 and counts["decode apart"] == 0
+    assert counts["strided"] == 0 and counts["lora"] >= 4
+    assert_changed(llm, one_by_one, adapters, len(loras))

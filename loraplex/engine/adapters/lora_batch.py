@@ -110,18 +110,22 @@ class RunGroup:
 
     @classmethod
     def of(cls, runs: list[TokenRun]) -> RunGroup:
+        """The group of these runs, in few tensor ops: a step whose batch changes makes it anew,
+        with the caches cold after the step before (each op cost 20-50 us there)."""
         adapters = [adapter for _, _, adapter in runs]
-        layers, modules, rank = adapters[0].a_changed.shape
-        lengths = torch.tensor([end - start for start, end, _ in runs])
+        layers, modules, _, rank = adapters[0].changed_rows.shape
+        # [layers, modules, 2, runs, rank]: A and B^T rows side by side, each [.., runs * rank]
+        rows = torch.stack([ad.changed_rows for ad in adapters], 3)
+        slots = [run for run, (start, end, _) in enumerate(runs) for _ in range(start, end)]
         return cls(
             start=runs[0][0],
             end=runs[-1][1],
             rank=rank,
             targets=adapters[0].targets,
             scales=torch.tensor([ad.scale for ad in adapters], dtype=torch.float32),
-            a_rows=torch.stack([ad.a_changed for ad in adapters], 2).view(layers, modules, -1),
-            b_rows=torch.stack([ad.b_changed for ad in adapters], 2).view(layers, modules, -1),
-            slots=torch.arange(len(runs)).repeat_interleave(lengths),
+            a_rows=rows[:, :, 0].view(layers, modules, -1),
+            b_rows=rows[:, :, 1].view(layers, modules, -1),
+            slots=torch.tensor(slots),
             adapters=tuple(adapters),
         )
 
@@ -138,6 +142,17 @@ class ProjectionLoRA:
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         for call in self.calls:
             call(x, y)
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """A projection's LoRA in every layer of a batch as one native call: `call` bound for
+    layer 0, every other layer's the same with its row tables `stride` bytes on a layer
+    (cpu_lora.StridedProjection); call None: no adapter of the batch changes the projection
+    in any layer."""
+
+    call: cpu_lora.BoundLoRA | None
+    stride: int = 0
 
 
 def _projection_lora(calls: list[Callable]) -> ProjectionLoRA | None:
@@ -168,6 +183,7 @@ class TorchLoRA:
         self.kernel = kernel
         self._windows: dict[int, torch.Tensor] = {}
         self._fetches: dict[tuple[Modules, bool], list[cpu_lora.Fetch | None]] = {}
+        self._layer_fetches: dict[tuple[Modules, bool], cpu_lora.LayerFetch | None] = {}
         self._plans: dict[tuple[int, Modules], ProjectionLoRA | None] = {}
         self._bound: dict[tuple[int, Modules], list[cpu_lora.BoundLoRA | None]] = {}
         self.spans: list[TokenRun] = []
@@ -215,6 +231,45 @@ class TorchLoRA:
         ):
             calls.append(functools.partial(self._spans, layer, modules))
         return calls
+
+    def layer_call(self, modules: Modules) -> LayerCall | None:
+        """The LoRA of the projection of `modules` in every layer as one native call moved by a
+        stride (LayerCall); None where it is not that: without the kernel, beside long prompt
+        spans, with adapters of more than one shape changing the projection, or changing it in
+        some layers alone. Then each layer takes its own plan."""
+        if self.kernel is None or self.spans:
+            return None
+        changing = None
+        for g in self.groups:
+            same, outputs = _every_layer(g.targets, len(g.a_rows), modules)
+            if not same or (outputs is not None and not self._in_kernel(g.rank)):
+                return None
+            if outputs is not None:
+                if changing is not None:
+                    return None  # two groups' calls
+                changing = (g, outputs)
+        if changing is None:
+            return LayerCall(None)
+        g, outputs = changing
+        tables = (self.pool, g.a_rows, g.b_rows, g.slots, g.rank, g.scales)
+        (call,) = self.kernel.bind_layers(*tables, [outputs], g.start, g.end)
+        return LayerCall(call, cpu_lora.layer_stride(g.a_rows))
+
+    def layer_fetch(
+        self, modules: Modules, in_features: int, shrinks_only: bool = False
+    ) -> cpu_lora.LayerFetch | None:
+        """Every layer's ranges of `fetch` for a batch whose projection of `modules` takes
+        layer_call's call (one group's rows in every layer); None where it has none."""
+        key = (modules, shrinks_only)
+        if key not in self._layer_fetches:
+            self._layer_fetches[key] = None
+            for g in self.groups:
+                same, outputs = _every_layer(g.targets, len(g.a_rows), modules)
+                if same and outputs is not None:
+                    size = self.pool.element_size()
+                    ranges = _group_ranges(g, outputs, in_features, size, shrinks_only)
+                    self._layer_fetches[key] = cpu_lora.LayerFetch(*ranges)
+        return self._layer_fetches[key]
 
     def _kernel_calls(self, index: int, modules: Modules) -> list[cpu_lora.BoundLoRA | None]:
         """Group `index`'s native calls for `modules` in every layer (None where its adapters
@@ -286,20 +341,10 @@ class TorchLoRA:
                 outputs = _kernel_outputs(g.targets, layer, modules)
                 if outputs is not None:
                     alike.setdefault(outputs.table_key, (outputs, []))[1].append(layer)
-            runs, kinds = len(g.adapters), 1 if shrinks_only else 2
             for outputs, same in alike.values():
-                # [layers, runs, modules, kind, rank]: a run's rows of every module together
-                rows = [_row_addresses(adapter, outputs, shrinks_only) for adapter in g.adapters]
-                addresses = torch.stack(rows, 1)
+                addresses, lengths = _group_ranges(g, outputs, in_features, size, shrinks_only)
                 if len(same) < layers:
                     addresses = addresses.index_select(0, torch.tensor(same))
-                addresses = addresses.view(len(same), -1)
-                # each kind of row's width (A: the input's; B^T: the module's output's)
-                widths = [torch.full_like(outputs.widths, in_features)]
-                if not shrinks_only:
-                    widths.append(outputs.widths)
-                lengths = (torch.stack(widths, 1) * size).view(1, -1, kinds, 1)
-                lengths = lengths.expand(runs, -1, kinds, g.rank).flatten()
                 for layer, row in zip(same, addresses.unbind(0), strict=True):
                     at[layer].append(row)
                     nbytes[layer].append(lengths)
@@ -336,6 +381,50 @@ def _kernel_outputs(
     return cpu_lora.Outputs(parts) if parts else None
 
 
+@functools.lru_cache(maxsize=256)
+def _every_layer(
+    targets: frozenset[tuple[int, str]], num_layers: int, modules: Modules
+) -> tuple[bool, cpu_lora.Outputs | None]:
+    """(whether adapters with these targets change the same of `modules` in every layer, and
+    layer 0's kernel outputs for them: None where they change none)"""
+    changed = [
+        frozenset(module for module, *_ in modules if (layer, module) in targets)
+        for layer in range(num_layers)
+    ]
+    return all(c == changed[0] for c in changed), _kernel_outputs(targets, 0, modules)
+
+
+def _group_ranges(
+    g: RunGroup, outputs: cpu_lora.Outputs, in_features: int, size: int, shrinks_only: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranges of the rows a native call with these outputs reads from the group's adapters
+    in the kernel's order, run after run (A rows, and B^T rows unless shrinks_only), in every
+    layer: addresses [layers, ranges] and their lengths in bytes [ranges], pool elements of
+    `size` bytes."""
+    # [layers, runs, modules, kind, rank]: a run's rows of every module together
+    rows = [_row_addresses(adapter, outputs, shrinks_only) for adapter in g.adapters]
+    addresses = torch.stack(rows, 1)
+    addresses = addresses.view(addresses.shape[0], -1)
+    widths = tuple(width for *_, width in outputs.parts)
+    lengths = _range_lengths(widths, in_features, size, shrinks_only, g.rank)
+    return addresses, lengths.repeat(len(g.adapters))
+
+
+@functools.lru_cache(maxsize=256)
+def _range_lengths(
+    widths: tuple[int, ...], in_features: int, size: int, shrinks_only: bool, rank: int
+) -> torch.Tensor:
+    """[modules * kinds * rank]: the lengths in bytes of a run's ranges, module by module: its
+    A rows (the input's width each), then, unless shrinks_only, its B^T rows (the module's
+    output's width each)."""
+    lengths = []
+    for width in widths:
+        lengths += [in_features * size] * rank
+        if not shrinks_only:
+            lengths += [width * size] * rank
+    return torch.tensor(lengths)
+
+
 def _row_addresses(
     adapter: ResidentAdapter, outputs: cpu_lora.Outputs, shrinks_only: bool
 ) -> torch.Tensor:
@@ -346,8 +435,9 @@ def _row_addresses(
     is the one the step's calls are bound to (the engine has one, settings.pool)."""
     key = (outputs.table_key, shrinks_only)
     if key not in adapter.row_addresses:
-        tables = (adapter.a_changed,) if shrinks_only else (adapter.a_changed, adapter.b_changed)
-        rows = torch.stack([table.index_select(1, outputs.rows) for table in tables], 2)
+        rows = adapter.changed_rows.index_select(1, outputs.rows)
+        if shrinks_only:
+            rows = rows[:, :, :1]
         base, size = adapter.pool.data_ptr(), adapter.pool.element_size()
         adapter.row_addresses[key] = rows * size + base
     return adapter.row_addresses[key]

@@ -85,10 +85,10 @@ class ResidentAdapter:
         shape = hashlib.sha256(repr(sorted(targets)).encode()).hexdigest()[:16]
         self.batch_order = (self.rank, shape, self.content_hash)
         # its A and B^T row offsets of the modules it changes alone, as a step's LoRA tables
-        # stack them (lora_batch.RunGroup): for q,v adapters 2 of the 7 modules' rows
+        # stack them (lora_batch.RunGroup): for q,v adapters 2 of the 7 modules' rows;
+        # [num_layers, modules changed, 2 (A, B^T), rank]
         rows = [MODULES.index(module) for module in changed_modules(self.targets)]
-        self.a_changed = self.a_offsets[:, rows].contiguous()
-        self.b_changed = self.b_offsets[:, rows].contiguous()
+        self.changed_rows = torch.stack([self.a_offsets[:, rows], self.b_offsets[:, rows]], 2)
 
     @property
     def pinned(self) -> bool:
