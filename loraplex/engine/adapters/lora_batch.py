@@ -110,8 +110,10 @@ class RunGroup:
 
     @classmethod
     def of(cls, runs: list[TokenRun]) -> RunGroup:
-        """The group of these runs, in few tensor ops: a step whose batch changes makes it anew,
-        with the caches cold after the step before (each op cost 20-50 us there)."""
+        """The group of these runs, in few tensor ops: a step whose batch changes makes it anew
+        after native work that left none of its inputs in cache, where the stack of 32
+        all-module adapters' tables (1.7 MB) took 0.34 ms against 42 us in a loop (2-core
+        Zen 4)."""
         adapters = [adapter for _, _, adapter in runs]
         layers, modules, _, rank = adapters[0].changed_rows.shape
         # [layers, modules, 2, runs, rank]: A and B^T rows side by side, each [.., runs * rank]

@@ -104,10 +104,10 @@ typedef struct {
 
 /* A step's LoRA where each projection's is the same in every layer but for where its tables and
  * ranges are (the usual batch: adapters of one shape on every layer): what the engine binds once
- * for all layers, where a LayerLoRA a layer took it about 1 ms a change of the batch's adapters
- * on 32 q,v adapters, 3.5 ms on 32 all-module ones (2-core Zen 4). With `ahead` ranges, each
- * layer's gate_up fetches the next layer's and that layer's q,k,v projection none of its own
- * (CausalLM._next_qkv_rows). */
+ * for all layers. Python making a LayerLoRA a layer instead took 0.65 ms more at each change of
+ * the batch's adapters on 32 q,v adapters, 2.8 ms more on 32 all-module ones (2-core Zen 4,
+ * benchmarks/step_bookkeeping.py). With `ahead` ranges, each layer's gate_up fetches the next
+ * layer's and that layer's q,k,v projection none of its own (CausalLM._next_qkv_rows). */
 typedef struct {
     StridedProjection qkv, o, gate_up, down;
     StridedFetch ahead;
@@ -121,9 +121,11 @@ static StepProjection strided_step(const StridedProjection *p, int64_t i, LoRABi
         bound->b_rows = (const int64_t *)((const char *)bound->b_rows + i * p->rows_stride);
         s.lora = bound;
     }
-    if (p->fetch.fetches > 0)
-        s.fetch_at = p->fetch.at + i * p->fetch.stride, s.fetch_bytes = p->fetch.bytes,
+    if (p->fetch.fetches > 0) {
+        s.fetch_at = p->fetch.at + i * p->fetch.stride;
+        s.fetch_bytes = p->fetch.bytes;
         s.fetches = p->fetch.fetches;
+    }
     return s;
 }
 
@@ -132,11 +134,15 @@ static LayerLoRA strided_layer(const StridedLoRA *s, int64_t i, int64_t num_laye
                                LoRABinding *bound) {
     LayerLoRA a = {strided_step(&s->qkv, i, &bound[0]), strided_step(&s->o, i, &bound[1]),
                    strided_step(&s->gate_up, i, &bound[2]), strided_step(&s->down, i, &bound[3])};
-    if (s->ahead.fetches > 0) {
-        if (i > 0) a.qkv.fetch_at = NULL, a.qkv.fetch_bytes = NULL, a.qkv.fetches = 0;
-        if (i + 1 < num_layers)
-            a.gate_up.fetch_at = s->ahead.at + (i + 1) * s->ahead.stride,
-            a.gate_up.fetch_bytes = s->ahead.bytes, a.gate_up.fetches = s->ahead.fetches;
+    if (s->ahead.fetches > 0 && i > 0) { /* fetched by the layer before's gate_up */
+        a.qkv.fetch_at = NULL;
+        a.qkv.fetch_bytes = NULL;
+        a.qkv.fetches = 0;
+    }
+    if (s->ahead.fetches > 0 && i + 1 < num_layers) {
+        a.gate_up.fetch_at = s->ahead.at + (i + 1) * s->ahead.stride;
+        a.gate_up.fetch_bytes = s->ahead.bytes;
+        a.gate_up.fetches = s->ahead.fetches;
     }
     return a;
 }
