@@ -112,20 +112,22 @@ def test_fused_layers_with_adapters_give_the_bits_of_the_calls_one_by_one(
         for i, (r, m) in enumerate(ADAPTERS)
     ]
     adapters = [*loras, None, *loras, None]  # each twice, beside requests without one
+    assert_same_bits(llm, counts, adapters, len(loras))
+    # steps of several shapes took a LayerLoRA a layer (steps of one shape alone, strided)
+    assert counts["lora"] - counts["strided"] >= 4
+
+
+def assert_same_bits(llm, counts: dict, adapters: list, changed_at_least: int) -> None:
+    """The requests on `adapters` give the same bits with their steps' layers in one native
+    call as one by one, where every step of decode tokens with LoRA took the native call; and
+    the adapters change what they touch, so a LoRA call left out or misplaced shows."""
     one_by_one = run(llm, fused=False, adapters=adapters)
     assert counts["all"] == 0
     assert run(llm, fused=True, adapters=adapters) == one_by_one
     assert counts["decode lora"] >= 4 and counts["decode apart"] == 0
-    # steps of several shapes took a LayerLoRA a layer (steps of one shape alone, strided)
-    assert counts["lora"] - counts["strided"] >= 4
-    assert_changed(llm, one_by_one, adapters, len(loras))
-
-
-def assert_changed(llm, outputs: list, adapters: list, at_least: int) -> None:
-    """The adapters change what they touch, so a LoRA call left out or misplaced shows."""
     base = run(llm, fused=True, adapters=[None] * len(adapters))
-    changed = [ours[0] != theirs[0] for ours, theirs in zip(outputs, base, strict=True)]
-    assert sum(changed) >= at_least
+    changed = [ours[0] != theirs[0] for ours, theirs in zip(one_by_one, base, strict=True)]
+    assert sum(changed) >= changed_at_least
 
 
 ONE_SHAPE = {"q,v": (4, ("q_proj", "v_proj")), "all seven": (2, MODULES), "MLP": (8, MODULES[4:])}
@@ -146,14 +148,10 @@ def test_adapters_of_one_shape_are_bound_once_for_every_layer_with_the_same_bits
                                                      rank, modules, i, 0.2)))
         for i in range(3)
     ]  # fmt: skip
-    adapters = [*loras, None, *loras]
-    one_by_one = run(llm, fused=False, adapters=adapters)
-    assert run(llm, fused=True, adapters=adapters) == one_by_one
-    assert counts["decode lora"] >= 4 and counts["decode apart"] == 0
+    assert_same_bits(llm, counts, [*loras, None, *loras], len(loras))
     # a step whose prompt chunks put a request without adapter between two of them has its
     # runs in two groups, each its own binding; decode steps hold one group
     assert counts["strided decodes alone"] == counts["decodes alone"] >= 4
-    assert_changed(llm, one_by_one, adapters, len(loras))
 
 
 def test_adapters_on_some_layers_alone_take_a_binding_a_layer(tiny_model_dirs, tmp_path):
@@ -164,9 +162,5 @@ def test_adapters_on_some_layers_alone_take_a_binding_a_layer(tiny_model_dirs, t
                                                layers=[1])))
         for i in range(2)
     ]  # fmt: skip
-    adapters = [*loras, None, *loras]
-    one_by_one = run(llm, fused=False, adapters=adapters)
-    assert run(llm, fused=True, adapters=adapters) == one_by_one
-    assert counts["decode lora"] >= 4 and counts["decode apart"] == 0
+    assert_same_bits(llm, counts, [*loras, None, *loras], len(loras))
     assert counts["strided"] == 0 and counts["lora"] >= 4
-    assert_changed(llm, one_by_one, adapters, len(loras))
