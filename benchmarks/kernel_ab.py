@@ -61,11 +61,15 @@ def build_at(
         (folder / name).write_bytes(_source(revision, name))
     target = folder / "kernels.so"
     sources = sorted(folder / name for name in listing if name.endswith(".c"))
-    command = cpu_lora.compile_command(cpu_lora._compiler(), sources, target)
-    command = [f"-march={march}" if flag == "-march=native" else flag for flag in command]
-    command = [flag for flag in command if flag not in {f"-D{name}" for name in undefines}]
-    command[1:1] = [f"-D{name}" for name in defines]
-    subprocess.run(command, check=True)
+    left_out = {f"-D{name}" for name in undefines}
+    flags = [f"-D{name}" for name in defines] + [
+        f"-march={march}" if flag == "-march=native" else flag
+        for flag in cpu_lora.build_flags()
+        if flag not in left_out
+    ]
+    subprocess.run(
+        cpu_lora.compile_command(cpu_lora._compiler(), sources, target, flags), check=True
+    )
     return ctypes.CDLL(str(target))
 
 

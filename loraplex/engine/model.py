@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.adapters.lora_batch import Modules, TorchLoRA
+from loraplex.engine.adapters.lora_batch import TorchLoRA
 from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
@@ -64,6 +64,11 @@ class Layer:
             down=Linear(w.down),
         )
 
+    @property
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """q,k,v, o, gate_up, down, in the order a layer runs them."""
+        return self.qkv, self.o, self.gate_up, self.down
+
 
 class CausalLM:
     def __init__(
@@ -109,6 +114,10 @@ class CausalLM:
         self._o_modules = (("o_proj", 0, c.hidden_size),)
         self._gate_up_modules = (("gate_proj", 0, inter), ("up_proj", inter, inter))
         self._down_modules = (("down_proj", 0, c.hidden_size),)
+        # those of each of a layer's projections, in Layer.projections' order
+        self._modules = (
+            self._qkv_modules, self._o_modules, self._gate_up_modules, self._down_modules
+        )  # fmt: skip
         self.fetch_placement = FetchPlacement()
         self._steps: BatchSteps | None = None  # the last batch's LoRA steps (_lora_steps)
 
@@ -187,7 +196,7 @@ class CausalLM:
         if batch.attention_kernel is None or batch.num_row_queries != rows:
             return False
         first = self.layers[0]
-        return all(p.native_rows(rows) for p in (first.qkv, first.o, first.gate_up, first.down))
+        return all(p.native_rows(rows) for p in first.projections)
 
     def _fused_layers(
         self,
@@ -266,11 +275,9 @@ class CausalLM:
         """Each layer's projection steps for a batch of `rows` rows, and whether cpu/layers.c
         can make all their LoRA calls."""
         projections = [
-            (
-                projection_step(lora, index, self._qkv_modules, rows, layer.qkv),
-                projection_step(lora, index, self._o_modules, rows, layer.o),
-                projection_step(lora, index, self._gate_up_modules, rows, layer.gate_up),
-                projection_step(lora, index, self._down_modules, rows, layer.down),
+            tuple(
+                projection_step(lora, index, modules, rows, projection)
+                for modules, projection in zip(self._modules, layer.projections, strict=True)
             )
             for index, layer in enumerate(self.layers)
         ]
@@ -291,8 +298,7 @@ class CausalLM:
         if self._decoder is None or not isinstance(lora, TorchLoRA):
             return None
         first, parts = self.layers[0], []
-        projections = (first.qkv, first.o, first.gate_up, first.down)
-        for modules, projection in zip(self._modules, projections, strict=True):
+        for modules, projection in zip(self._modules, first.projections, strict=True):
             layer_call = lora.layer_call(modules)
             if layer_call is None:
                 return None
@@ -322,7 +328,7 @@ class CausalLM:
         make as _project does (each checked to fit the step's `rows` rows)."""
         for layer, step in zip(self.layers, steps, strict=True):
             for projection, p in zip(
-                (layer.qkv, layer.o, layer.gate_up, layer.down),
+                layer.projections,
                 (step.qkv, step.o, step.gate_up, step.down),
                 strict=True,
             ):
@@ -337,11 +343,6 @@ class CausalLM:
     def _no_lora(self) -> BatchSteps:
         no_lora = LayerLoRA(NO_LORA, NO_LORA, NO_LORA, NO_LORA, None)
         return BatchSteps(None, lambda: ([no_lora] * len(self.layers), True))
-
-    @functools.cached_property
-    def _modules(self) -> tuple[Modules, ...]:
-        """The modules of each projection of a layer: q,k,v, o, gate_up, down."""
-        return self._qkv_modules, self._o_modules, self._gate_up_modules, self._down_modules
 
     def _attention(
         self,
@@ -408,7 +409,7 @@ def _decoder_layer(
     """A layer as cpu/layers.c takes it: its native projections' packed weights, the q,k,v bias
     (or none), its norm after attention, the next layer's input norm (none after the last) and
     its KV cache."""
-    packed = [p.native_packed.data_ptr() for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    packed = [p.native_packed.data_ptr() for p in layer.projections]
     bias = layer.qkv.bias.data_ptr() if layer.qkv.bias is not None else None
     return cpu_lora.DecoderLayer(
         packed[0], bias, *packed[1:], layer.post_attention_norm.data_ptr(),

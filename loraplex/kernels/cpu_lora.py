@@ -173,10 +173,12 @@ def _build_key(compiler: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def compile_command(compiler: str, sources, target) -> list[str]:
-    """The command that builds the C `sources` into the shared library `target` for this
-    machine (build_flags); the engine's library is SOURCES, benchmarks build others."""
-    return [compiler, *build_flags(), *map(str, sources), "-o", str(target)]
+def compile_command(compiler: str, sources, target, flags=None) -> list[str]:
+    """The command that builds the C `sources` into the shared library `target` with `flags`
+    (None: this machine's, build_flags); the engine's library is SOURCES, benchmarks and tests
+    build others."""
+    flags = build_flags() if flags is None else flags
+    return [compiler, *flags, *map(str, sources), "-o", str(target)]
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -578,10 +580,6 @@ class LayerFetch:
         if at.dim() != 2 or at.stride(1) != 1 or nbytes.shape != at.shape[1:]:
             raise ValueError("a layer's addresses a row, rows contiguous, and a length each")
         self.at, self.bytes = at, nbytes.contiguous()
-
-    def layer(self, i: int) -> Fetch:
-        """Layer i's ranges."""
-        return Fetch(self.at[i], self.bytes)
 
 
 class _NativeLinear(_PerDtype):

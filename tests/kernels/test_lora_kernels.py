@@ -179,9 +179,8 @@ def other_bf16_flags() -> tuple[str, ...]:
 def build_library(flags, folder) -> ctypes.CDLL:
     """The kernels' sources compiled with `flags` into a library in `folder`."""
     target = folder / "cpu_kernels.so"
-    subprocess.run(
-        [cpu_lora._compiler(), *flags, *map(str, cpu_lora.SOURCES), "-o", str(target)], check=True
-    )
+    command = cpu_lora.compile_command(cpu_lora._compiler(), cpu_lora.SOURCES, target, flags)
+    subprocess.run(command, check=True)
     return ctypes.CDLL(str(target))
 
 
