@@ -120,6 +120,11 @@ def zen4() -> bool:
     return amd_avx512() and cpu_info().get("cpu family") == "25"
 
 
+def zen3() -> bool:
+    """Whether the CPU is AMD's Zen 3: family 25 without AVX-512 (Zen 4, also family 25, has it)."""
+    return amd() and cpu_info().get("cpu family") == "25" and "avx512f" not in cpu_flags()
+
+
 def zen2() -> bool:
     """Whether the CPU is AMD's Zen 2: family 23 from model 0x30 (Rome, Matisse, Renoir...); the
     family's earlier models are Zen and Zen+, whose FMA units are 128 bits wide."""
@@ -151,13 +156,13 @@ def zen4_bf16() -> bool:
 def build_flags() -> tuple[str, ...]:
     """The compiler's flags for this machine: where dpbf16_half_rate, the FMA build
     (-DBF16_BY_FMA: the projection's and the LoRA shrink's bfloat16 products through float32
-    FMAs, cpu/linear.c and cpu/lora.c); on Intel's Xeons (intel_avx512) and Zen 4,
+    FMAs, cpu/linear.c and cpu/lora.c); on Intel's Xeons (intel_avx512), Zen 3 and Zen 4,
     -DF32_FETCH_NEXT: the float32 decode attention fetches a thread's next sequence while it
     works on one, as the bfloat16 one does everywhere (cpu/attention.c); on Intel's Xeons,
     -DF32_TALL_TILE: the float32 projection's tiles are 8 rows by 48 columns, 4 by 96 on AMD's
     (cpu/linear_f32.c)."""
     flags = FLAGS + (("-DBF16_BY_FMA",) if dpbf16_half_rate() else ())
-    if intel_avx512() or zen4():
+    if intel_avx512() or zen3() or zen4():
         flags += ("-DF32_FETCH_NEXT",)
     return flags + (("-DF32_TALL_TILE",) if intel_avx512() else ())
 
