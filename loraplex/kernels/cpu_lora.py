@@ -715,7 +715,8 @@ class CpuLinearF32(_NativeLinear):
       too, and measured the same order on 32 q,v adapters: extra over base 5.55 ms fetching
       nothing, 6.16 fetching the A rows alone, 8.20 fetching all the rows (medians of 30).
     Prompt chunks keep oneDNN's (256 rows on Zen 4: 1.08-1.13x its time by the median of 15
-    passes, 0.96x by the best of 7), but on Zen 2 (zen2), where this projection takes batches of
+    passes, 0.96x by the best of 7; on Zen 3, 1.13x / 1.23x / 1.13x at 128 / 256 / 512 rows by
+    the best of 7), but on Zen 2 (zen2), where this projection takes batches of
     any size (`any_rows`) and the model keeps no oneDNN copy of its weights: there it took
     0.77-0.93x oneDNN's time at 33-512 rows (0.89-0.91x at a prompt chunk's 256). On the
     prompts of benchmarks/side_by_side.py (32 of 64 tokens, 256 a chunk), runs of one new token
