@@ -111,13 +111,13 @@ class CausalLM:
             ("k_proj", c.q_size, c.kv_size),
             ("v_proj", c.q_size + c.kv_size, c.kv_size),
         )
-        self._o_modules = (("o_proj", 0, c.hidden_size),)
-        self._gate_up_modules = (("gate_proj", 0, inter), ("up_proj", inter, inter))
-        self._down_modules = (("down_proj", 0, c.hidden_size),)
         # those of each of a layer's projections, in Layer.projections' order
         self._modules = (
-            self._qkv_modules, self._o_modules, self._gate_up_modules, self._down_modules
-        )  # fmt: skip
+            self._qkv_modules,
+            (("o_proj", 0, c.hidden_size),),
+            (("gate_proj", 0, inter), ("up_proj", inter, inter)),
+            (("down_proj", 0, c.hidden_size),),
+        )
         self.fetch_placement = FetchPlacement()
         self._steps: BatchSteps | None = None  # the last batch's LoRA steps (_lora_steps)
 
