@@ -716,7 +716,9 @@ class CpuLinearF32(_NativeLinear):
       nothing, 6.16 fetching the A rows alone, 8.20 fetching all the rows (medians of 30).
     Prompt chunks keep oneDNN's (256 rows on Zen 4: 1.08-1.13x its time by the median of 15
     passes, 0.96x by the best of 7; on Zen 3, 1.13x / 1.23x / 1.13x at 128 / 256 / 512 rows by
-    the best of 7), but on Zen 2 (zen2), where this projection takes batches of
+    the best of 7, and on a faster Zen 3, where this projection was the faster alone at every
+    size, whole prefills took 1.09x the time on the base model and 1.12x on 32 adapters with it:
+    benchmarks/prompt_chunks.py), but on Zen 2 (zen2), where this projection takes batches of
     any size (`any_rows`) and the model keeps no oneDNN copy of its weights: there it took
     0.77-0.93x oneDNN's time at 33-512 rows (0.89-0.91x at a prompt chunk's 256). On the
     prompts of benchmarks/side_by_side.py (32 of 64 tokens, 256 a chunk), runs of one new token

@@ -22,7 +22,10 @@
  * 256 by the median of 15, so prompt chunks keep oneDNN's (and its copy of W). The AVX2 build's
  * tiles are narrower (below): on a 2-core Zen 3 (family 25, model 1), 74.4 against oneDNN's 105.7
  * ms at 32 rows (0.70x), 0.80x at 64, and on another 0.84x / 0.94x / 1.13x / 1.23x / 1.13x at 32 /
- * 64 / 128 / 256 / 512 rows (best of 7), so prompt chunks keep oneDNN's there; on a 2-core Zen 2
+ * 64 / 128 / 256 / 512 rows (best of 7); on a third 0.75x-0.95x at 32-512 rows, but there whole
+ * prefills of 32 prompts took 1.09x the time on the base model and 1.12x on 32 adapters with this
+ * projection taking the chunks (benchmarks/prompt_chunks.py, medians of 6 alternated rounds), so
+ * prompt chunks keep oneDNN's on Zen 3; on a 2-core Zen 2
  * (family 23, model 49), 0.74x at 32 rows and 0.89-0.93x at 256-512, so there it takes prompt
  * chunks too (cpu_lora.CpuLinearF32.any_rows). */
 
