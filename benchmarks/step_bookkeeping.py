@@ -1,7 +1,7 @@
 """The Python a step spends on its LoRA metadata, in steps whose batch changes.
 
     python benchmarks/step_bookkeeping.py [--modules qv|all] [--rounds 4] [--steps 120]
-                                          [--against REV]
+                                          [--dtype auto|bfloat16|float32] [--against REV]
 
 A request arrives every step, as in mixed_steps.py (a 64-token prompt, 32 new tokens, greedy,
 each on the next of 32 distinct rank-16 adapters), so no step's batch is the one before's and
@@ -13,8 +13,8 @@ its LoRA metadata is built anew every step:
 
 This times those three in every step as the engine runs it, with the caches cold after the
 native work of the step before, and the same on the base model under the same arrivals (where
-the first is all there is). It prints, per round, milliseconds of bookkeeping a step and the
-step's whole time.
+the first is all there is), in the dtype the engine serves here unless `--dtype` says another.
+It prints, per round, milliseconds of bookkeeping a step and the step's whole time.
 
 With `--against REV` it also runs the package as it is at git revision REV (from `git archive`),
 in processes of its own, each round one process of each, their order alternating. The
@@ -54,9 +54,10 @@ def timed(owner, name: str, spent: list[float]) -> None:
     setattr(owner, name, wrapper)
 
 
-def one_round(modules: str, steps: int) -> dict[str, dict[str, float]]:
+def one_round(modules: str, steps: int, dtype: str) -> dict:
     """A run of `steps` arriving requests on the adapters, then one on the base model (after a
-    warm-up run): each one's bookkeeping and whole time, milliseconds a step."""
+    warm-up run): each one's bookkeeping and whole time, milliseconds a step; and the dtype
+    served."""
     import torch
     from engine_throughput import make_prompts
     from lora_floor import ALL, QV, load_random_adapters
@@ -73,7 +74,7 @@ def one_round(modules: str, steps: int) -> dict[str, dict[str, float]]:
     timed(runner, "build_forward_batch", spent)
     timed(model.CausalLM, "_lora_steps", spent)
     timed(lora_steps.BatchSteps, "native_calls", spent)
-    llm = LLM(model=str(resolve_model("default")), dtype="bfloat16", max_num_batched_tokens=256)
+    llm = LLM(model=str(resolve_model("default")), dtype=dtype, max_num_batched_tokens=256)
     engine = llm.engine
     folder = tempfile.TemporaryDirectory()
     loras = load_random_adapters(llm, QV if modules == "qv" else ALL, ADAPTERS, Path(folder.name))
@@ -96,17 +97,18 @@ def one_round(modules: str, steps: int) -> dict[str, dict[str, float]]:
 
     arrivals(loras)  # warm-up
     result = {"adapters": arrivals(loras), "base": arrivals(None)}
+    result["dtype"] = engine.config.dtype
     folder.cleanup()
     return result
 
 
-def in_process(tree: Path | None, modules: str, steps: int) -> dict[str, dict[str, float]]:
+def in_process(tree: Path | None, modules: str, steps: int, dtype: str) -> dict:
     """one_round in a process of its own, on the package of `tree` (None: the working tree)."""
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     command = [sys.executable, __file__, "--one-round", "--modules", modules]
-    command += ["--steps", str(steps)]
+    command += ["--steps", str(steps), "--dtype", dtype]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:  # REV may lack a function this times
         raise SystemExit(f"a round failed ({tree or 'working tree'}):\n{done.stderr}")
@@ -120,11 +122,12 @@ def main() -> None:
     parser.add_argument("--modules", choices=("qv", "all"), default="qv")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--dtype", default="auto", help="the engine's (auto: what it serves here)")
     parser.add_argument("--against", help="git revision to time beside the working tree")
     parser.add_argument("--one-round", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_round:
-        print(json.dumps(one_round(args.modules, args.steps)))
+        print(json.dumps(one_round(args.modules, args.steps, args.dtype)))
         return
 
     with tempfile.TemporaryDirectory() as folder:
@@ -140,11 +143,12 @@ def main() -> None:
         results: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                results[name].append(in_process(trees[name], args.modules, args.steps))
+                results[name].append(in_process(trees[name], args.modules, args.steps, args.dtype))
 
     print(
         f"a {PROMPT_TOKENS}-token request arriving every step on {ADAPTERS} distinct rank-16 "
-        f"{args.modules} adapters, bfloat16, {args.steps} steps a run; ms a step, each round"
+        f"{args.modules} adapters, {results['working tree'][0]['dtype']}, {args.steps} steps a "
+        "run; ms a step, each round"
     )
     for name, rounds in results.items():
         for kind in ("adapters", "base"):
