@@ -24,6 +24,7 @@ oneDNN one's per pair, whether both gave the same tokens, and the bytes of weigh
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -68,9 +69,11 @@ def main() -> None:
     if lib is None or not cpu_lora.CpuLinearF32(lib).supports(torch.float32):
         raise SystemExit("the engine takes no native float32 projection on this CPU")
     model_dir = resolve_model("default")
-    runs = [("prefill", 1), ("whole", args.new_tokens)]
-    kinds = ("base", "adapters")
-    count = REQUESTS * (1 + args.rounds * len(runs) * len(kinds))
+    # (run, new tokens a request, base model or adapters), each timed on a batch of its own
+    runs = list(
+        itertools.product([("prefill", 1), ("whole", args.new_tokens)], ("base", "adapters"))
+    )
+    count = REQUESTS * (1 + args.rounds * len(runs))
     prompts = make_prompts(TokenizerWrapper(model_dir), count, PROMPT_TOKENS)
     batches = iter([prompts[i : i + REQUESTS] for i in range(0, count, REQUESTS)])
     warmup = next(batches)
@@ -98,32 +101,32 @@ def main() -> None:
             for lora in loras:
                 llm.engine.load_adapter(lora)  # disk -> host -> pool before timing
             timed(llm, warmup[:2], 4, loras[:2])
-        times = {(name, run, kind): [] for name in engines for run, _ in runs for kind in kinds}
+        times = {(name, run): [] for name in engines for run in runs}
         same = True
         for r in range(args.rounds):
             order = list(engines) if r % 2 == 0 else list(engines)[::-1]
-            for run, new_tokens in runs:
-                for kind in kinds:
-                    batch, tokens = next(batches), {}
-                    for name in order:
-                        on = loras if kind == "adapters" else None
-                        seconds, tokens[name] = timed(engines[name], batch, new_tokens, on)
-                        times[(name, run, kind)].append(seconds)
-                    same &= tokens["oneDNN"] == tokens["native"]
+            for run in runs:
+                (_, new_tokens), kind = run
+                batch, tokens = next(batches), {}
+                for name in order:
+                    on = loras if kind == "adapters" else None
+                    seconds, tokens[name] = timed(engines[name], batch, new_tokens, on)
+                    times[(name, run)].append(seconds)
+                same &= tokens["oneDNN"] == tokens["native"]
 
         print(
             f"SmolLM2, float32, {args.threads} threads, 256 tokens a step; {REQUESTS} requests of "
             f"{PROMPT_TOKENS} prompt tokens; medians of {args.rounds} rounds, engines alternated"
         )
-        for run, new_tokens in runs:
-            for kind in kinds:
-                onednn, native = times[("oneDNN", run, kind)], times[("native", run, kind)]
-                pairs = ", ".join(f"{n / o:.3f}" for o, n in zip(onednn, native, strict=True))
-                print(
-                    f"{run} ({new_tokens} new), {kind}: oneDNN's chunks "
-                    f"{statistics.median(onednn) * 1e3:8.1f} ms, native "
-                    f"{statistics.median(native) * 1e3:8.1f} ms; native / oneDNN time {pairs}"
-                )
+        for run in runs:
+            (what, new_tokens), kind = run
+            onednn, native = times[("oneDNN", run)], times[("native", run)]
+            pairs = ", ".join(f"{n / o:.3f}" for o, n in zip(onednn, native, strict=True))
+            print(
+                f"{what} ({new_tokens} new), {kind}: oneDNN's chunks "
+                f"{statistics.median(onednn) * 1e3:8.1f} ms, native "
+                f"{statistics.median(native) * 1e3:8.1f} ms; native / oneDNN time {pairs}"
+            )
         print(f"the same tokens from both: {same}")
         for name, llm in engines.items():
             print(f"{name}: weights kept {weight_bytes(llm.engine.model) / 2**20:.0f} MiB")

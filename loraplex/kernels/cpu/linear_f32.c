@@ -25,9 +25,9 @@
  * 64 / 128 / 256 / 512 rows (best of 7); on a third 0.75x-0.95x at 32-512 rows, but there whole
  * prefills of 32 prompts took 1.09x the time on the base model and 1.12x on 32 adapters with this
  * projection taking the chunks (benchmarks/prompt_chunks.py, medians of 6 alternated rounds), so
- * prompt chunks keep oneDNN's on Zen 3; on a 2-core Zen 2
- * (family 23, model 49), 0.74x at 32 rows and 0.89-0.93x at 256-512, so there it takes prompt
- * chunks too (cpu_lora.CpuLinearF32.any_rows). */
+ * prompt chunks keep oneDNN's on Zen 3. On a 2-core Zen 2 (family 23, model 49), 0.74x at 32 rows
+ * and 0.89-0.93x at 256-512, so there it takes prompt chunks too (cpu_lora.CpuLinearF32.any_rows).
+ */
 
 /* The vectors a tile works in, by build: F32_LANES floats each; a tail's mask (the lanes before
  * `left`), and loads and stores of those lanes alone. */
