@@ -691,7 +691,8 @@ class CpuLinearF32(_NativeLinear):
       of 42.27 against oneDNN's 53.66 ms on 32 q,v adapters and 50.64 against 62.16 ms on 32
       all-module ones, with the fetch; without it 43.03 and 51.75 ms, fetching the A rows alone
       43.28 and 51.45 ms;
-    - on Intel with AVX512-FP16 (intel_fp16; a 2-core Xeon, family 6, model 207): 0.78x; it fetches
+    - on Intel with AVX512-FP16 (intel_fp16; a 2-core Xeon, family 6, model 207): 0.78x with
+      tiles of 4 by 96, 0.68x at 32 rows and 0.74x at 64 with 8 by 48 (level at 256); it fetches
       only the A rows of the LoRA call it makes itself there (fetches_shrinks), spread over the
       whole projection, ahead of the shrinks (in its second half when the figures here were taken;
       now at the fetch's own pace, two tokens behind: linear_f32.c; against the old pace on such a

@@ -42,8 +42,9 @@
  * base model, 0.959x on 32 q,v adapters and 0.956x on 32 all-module ones
  * (benchmarks/layers_ab.py --dtype float32, medians of 60 alternated pairs). At 1-16 rows level
  * or better (0.76-0.88x oneDNN's time against 0.79-0.88x), at 256 rows level with oneDNN
- * (1.00-1.03x its time against 0.93-0.96x). cpu_lora.CpuLinearF32's figures for Intel's other
- * Xeons (with AVX512-FP16; Cascade Lake) were taken with 4 by 96, and those have not been
+ * (1.00-1.03x its time against 0.93-0.96x). The same model offering AVX512-FP16 and AMX too:
+ * decode steps 0.951x the time on the base model (layers_ab.py --undefine F32_TALL_TILE, medians
+ * of 100 pairs), the projections at 32 rows 0.68x oneDNN's time. Cascade Lake has not been
  * measured with 8 by 48.
  * AMD's: 4 rows by 96 columns. Zen 4's projections are bound by arithmetic, and there 8 by 48
  * made decode steps of 32 sequences slower in all but one run (2-core, family 25, model 17;
