@@ -85,7 +85,9 @@ int linear_native_bf16(void) { return amx_granted(); }
 int linear_any_rows_bf16(void) { return 1; }
 /* Whether linear_bf16 takes memory ranges to fetch: not with AMX, whose products are bound by
  * memory, as the LoRA call's rows are (fetching them during the products slows these by more
- * than it speeds the LoRA call: 11.5 ms against 4.9 ms a step of 32 all-module adapters). */
+ * than it speeds the LoRA call: 11.5 ms against 4.9 ms a step of 32 all-module adapters; on 32
+ * q,v adapters +1.24 ms a step fetched by the q,k,v projection, +0.75 ms its A rows alone,
+ * +1.53 ms by the layer before's gate_up, on a 2-core Xeon of model 207). */
 int linear_fetches_bf16(void) { return 0; }
 
 /* Sums [rows][32] of one block (row stride 32) += the last `pairs` input pairs from `first` on
