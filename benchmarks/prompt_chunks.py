@@ -40,11 +40,10 @@ REQUESTS, PROMPT_TOKENS = 32, 64
 def weight_bytes(model) -> int:
     """Bytes of the projections' weights the model keeps, every copy (Linear)."""
     linears = [model.lm_head] + [p for layer in model.layers for p in layer.projections]
-    copies = ("weight", "_packed", "_native_packed")
     return sum(
-        t.numel() * t.element_size()  # oneDNN's copy is opaque: no storage to ask
+        t.numel() * t.element_size()  # oneDNN's copy (_packed) is opaque: no storage to ask
         for linear in linears
-        for t in (getattr(linear, name) for name in copies)
+        for t in (linear.weight, linear._packed, linear.native_packed)
         if t is not None
     )
 
