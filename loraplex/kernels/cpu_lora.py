@@ -676,11 +676,16 @@ class CpuLinearF32(_NativeLinear):
     AVX-512 or AVX2 and FMA, where they were measured faster than oneDNN's
     (benchmarks/prompt_projection.py --dtype float32, SmolLM2's projections over 30 layers at 32
     rows):
-    - on AMD's (amd), where it fetches the LoRA call's rows meanwhile. Zen 3 (a 2-core EPYC,
-      family 25, model 1; the AVX2 build): 0.70x oneDNN's time at 32 rows, 0.80x at 64; whole
-      decode steps (benchmarks/projection_ab.py, medians of 30 rounds) of 170.8 against oneDNN's
-      232.1 ms on 32 q,v adapters and 202.5 against 270.1 ms on 32 all-module ones, with the
-      fetch; without it 172.0 and 208.5 ms, fetching the A rows alone 170.6 and 206.3 ms. Zen 2
+    - on AMD's (amd), where it fetches the LoRA call's rows meanwhile, but on Zen 3 only the A
+      rows of the call it makes itself (fetches_shrinks, as on Intel with AVX512-FP16 below).
+      Zen 3 (a 2-core EPYC, family 25, model 1; the AVX2 build): 0.70x oneDNN's time at 32 rows,
+      0.80x at 64; whole decode steps (benchmarks/projection_ab.py, medians of 30 rounds) of
+      170.8 against oneDNN's 232.1 ms on 32 q,v adapters and 202.5 against 270.1 ms on 32
+      all-module ones, with the fetch; without it 172.0 and 208.5 ms, fetching the A rows alone
+      170.6 and 206.3 ms. On a slower Zen 3 host (memory read at 16-26 GB/s), extra over base
+      fetching the A rows alone against all the rows: q,v 8.66 and 7.36 against 11.20 and 11.45
+      ms, all-module 30.49 and 32.78 against 42.89 and 36.15 ms (fetching nothing: q,v 4.49 and
+      11.96, all-module 35.43 and 38.10 ms). Zen 2
       (a 2-core EPYC, family 23, model 49; the AVX2 build): 0.74x oneDNN's time at 32 rows, and
       whole decode steps of 99.7 and 103.3 against oneDNN's 134.7 and 129.1 ms on 32 q,v
       adapters, 115.2 against 151.6 ms on 32 all-module ones, with the fetch; extra over base
@@ -734,8 +739,8 @@ class CpuLinearF32(_NativeLinear):
     def __init__(self, lib: ctypes.CDLL, any_cpu: bool = False) -> None:
         native = bool(lib.linear_native_f32()) and (any_cpu or amd() or intel_avx512())
         super().__init__(lib, native)
-        self.fetches = native and (any_cpu or amd())
-        self.fetches_shrinks = native and not self.fetches and intel_fp16()
+        self.fetches = native and (any_cpu or (amd() and not zen3()))
+        self.fetches_shrinks = native and not self.fetches and (intel_fp16() or zen3())
         self.any_rows = native and zen2()
 
 

@@ -34,7 +34,7 @@ def test_auto_on_a_cpu_with_and_without_native_bfloat16(monkeypatch, native, exp
     [
         ("AuthenticAMD", "25", "avx2 avx512f avx512_bf16", False, True, "fetching", True),  # Zen 4
         ("AuthenticAMD", "26", "avx2 avx512f avx512_bf16", False, False, "fetching", False),  # Zen5
-        ("AuthenticAMD", "25", "avx2", False, False, "fetching", True),  # Zen 3: no AVX-512
+        ("AuthenticAMD", "25", "avx2", False, False, "shrinks", True),  # Zen 3: no AVX-512
         ("AuthenticAMD", "23", "avx2", False, False, "fetching", False),  # Zen 2
         # Intel: AVX-512 alone (Cascade Lake), AVX512-BF16 without AVX512-FP16 (Cooper Lake);
         # since Sapphire Rapids, without AMX (as a hypervisor may offer it) and with; AVX2 alone
@@ -53,8 +53,9 @@ def test_the_kernels_follow_the_cpu_model(
     build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
     vdpbf16ps CPUs the native projection for prompt chunks as well; and the native float32
     projection (where the library has it: AVX-512, or AVX2 and FMA) on AMD's (Zen 2 to 5),
-    fetching the LoRA rows, and on Intel with AVX-512, since Sapphire Rapids fetching the A rows
-    of the LoRA call it makes, before it fetching nothing; Intel's with AVX2 alone keep
+    fetching the LoRA rows (on Zen 3 the A rows of the LoRA call it makes alone), and on Intel
+    with AVX-512, since Sapphire Rapids fetching the A rows of the LoRA call it makes, before it
+    fetching nothing; Intel's with AVX2 alone keep
     oneDNN's. The float32 decode attention fetches a thread's next sequence where that was
     measured faster in steps (Intel's Xeons with AVX-512, Zen 3 and Zen 4), and the float32
     projection's tiles are 8 rows tall on Intel's Xeons with AVX-512."""
