@@ -1,12 +1,12 @@
 """Where a decode step brings a layer's q,k,v LoRA rows into cache, chosen by timing steps here.
 
-Where the native projection fetches (bfloat16 on AVX512-BF16 without AMX, float32 on Zen 4 and
-5), a layer's q,k,v adapter rows can be fetched by the q,k,v projection itself or, where the
-layer before's gate_up has no LoRA call of its own (q,v adapters), by that gate_up
-(`CausalLM._next_qkv_rows`). Which is faster depends on the CPU and the dtype (in float32 on Zen
-4 the rows fetched during the gate_up were no longer in cache when read: 5.3 against 3.9 ms a
-step of 30 layers, scratch). On 32 q,v adapters in bfloat16, in extra step time over base,
-alternated rounds in one process:
+Where the native projection fetches all its call's rows (bfloat16 on AVX512-BF16 without AMX,
+float32 on Zen 2, 4 and 5; Zen 3 and Intel's fetch the A rows alone), a layer's q,k,v adapter rows
+can be fetched by the q,k,v projection itself or, where the layer before's gate_up has no LoRA call
+of its own (q,v adapters), by that gate_up (`CausalLM._next_qkv_rows`). Which is faster depends on
+the CPU and the dtype (in float32 on Zen 4 the rows fetched during the gate_up were no longer in
+cache when read: 5.3 against 3.9 ms a step of 30 layers, scratch). On 32 q,v adapters in bfloat16,
+in extra step time over base, alternated rounds in one process:
 
 * 2-core Zen 5: gate_up ahead lower by about 0.1 ms in each of 12 rounds while the projection
   made its LoRA call after it; since it makes the shrinks between its own items (lora.c, the

@@ -53,12 +53,12 @@ def test_the_kernels_follow_the_cpu_model(
     build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
     vdpbf16ps CPUs the native projection for prompt chunks as well; and the native float32
     projection (where the library has it: AVX-512, or AVX2 and FMA) on AMD's (Zen 2 to 5),
-    fetching the LoRA rows (on Zen 3 the A rows of the LoRA call it makes alone), and on Intel
+    fetching the LoRA rows (on Zen 3 only the A rows of the LoRA call it makes), and on Intel
     with AVX-512, since Sapphire Rapids fetching the A rows of the LoRA call it makes, before it
-    fetching nothing; Intel's with AVX2 alone keep
-    oneDNN's. The float32 decode attention fetches a thread's next sequence where that was
-    measured faster in steps (Intel's Xeons with AVX-512, Zen 3 and Zen 4), and the float32
-    projection's tiles are 8 rows tall on Intel's Xeons with AVX-512."""
+    fetching nothing; Intel's with AVX2 alone keep oneDNN's. The float32 decode attention
+    fetches a thread's next sequence where that was measured faster in steps (Intel's Xeons with
+    AVX-512, Zen 3 and Zen 4), and the float32 projection's tiles are 8 rows tall on Intel's
+    Xeons with AVX-512."""
     # this machine's build, taken before the CPU is faked: library() keeps what it first builds
     # for the process, and a faked CPU would have it build (and keep) that CPU's
     lib = cpu_lora.library()
