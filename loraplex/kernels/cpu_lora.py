@@ -120,6 +120,11 @@ def zen4() -> bool:
     return amd_avx512() and cpu_info().get("cpu family") == "25"
 
 
+def zen5() -> bool:
+    """Whether the CPU is AMD's Zen 5 (family 26 with AVX-512)."""
+    return amd_avx512() and cpu_info().get("cpu family") == "26"
+
+
 def zen3() -> bool:
     """Whether the CPU is AMD's Zen 3: family 25 without AVX-512 (Zen 4, also family 25, has it)."""
     return amd() and cpu_info().get("cpu family") == "25" and "avx512f" not in cpu_flags()
@@ -158,13 +163,13 @@ def build_flags() -> tuple[str, ...]:
     (-DBF16_BY_FMA: the projection's and the LoRA shrink's bfloat16 products through float32
     FMAs, cpu/linear.c and cpu/lora.c); on Intel's Xeons (intel_avx512), Zen 3 and Zen 4,
     -DF32_FETCH_NEXT: the float32 decode attention fetches a thread's next sequence while it
-    works on one, as the bfloat16 one does everywhere (cpu/attention.c); on Intel's Xeons,
-    -DF32_TALL_TILE: the float32 projection's tiles are 8 rows by 48 columns, 4 by 96 on AMD's
-    (cpu/linear_f32.c)."""
+    works on one, as the bfloat16 one does everywhere (cpu/attention.c); on Intel's Xeons and
+    Zen 5, -DF32_TALL_TILE: the float32 projection's tiles are 8 rows by 48 columns, 4 by 96 on
+    Zen 4 (cpu/linear_f32.c)."""
     flags = FLAGS + (("-DBF16_BY_FMA",) if dpbf16_half_rate() else ())
     if intel_avx512() or zen3() or zen4():
         flags += ("-DF32_FETCH_NEXT",)
-    return flags + (("-DF32_TALL_TILE",) if intel_avx512() else ())
+    return flags + (("-DF32_TALL_TILE",) if intel_avx512() or zen5() else ())
 
 
 def _build_key(compiler: str) -> str:

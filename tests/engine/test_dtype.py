@@ -58,7 +58,7 @@ def test_the_kernels_follow_the_cpu_model(
     fetching nothing; Intel's with AVX2 alone keep oneDNN's. The float32 decode attention
     fetches a thread's next sequence where that was measured faster in steps (Intel's Xeons with
     AVX-512, Zen 3 and Zen 4), and the float32 projection's tiles are 8 rows tall on Intel's
-    Xeons with AVX-512."""
+    Xeons with AVX-512 and on Zen 5."""
     # this machine's build, taken before the CPU is faked: library() keeps what it first builds
     # for the process, and a faked CPU would have it build (and keep) that CPU's
     lib = cpu_lora.library()
@@ -66,8 +66,9 @@ def test_the_kernels_follow_the_cpu_model(
     assert cpu_lora.dpbf16_half_rate() == fma_build
     assert ("-DBF16_BY_FMA" in cpu_lora.build_flags()) == fma_build
     assert ("-DF32_FETCH_NEXT" in cpu_lora.build_flags()) == fetch_next
-    intel_avx512 = vendor == "GenuineIntel" and "avx512f" in flags.split()
-    assert ("-DF32_TALL_TILE" in cpu_lora.build_flags()) == intel_avx512
+    avx512 = "avx512f" in flags.split()
+    tall = avx512 and (vendor == "GenuineIntel" or family == "26")  # Intel's Xeons and Zen 5
+    assert ("-DF32_TALL_TILE" in cpu_lora.build_flags()) == tall
     assert cpu_lora.zen4_bf16() == zen4
     if lib is not None and lib.linear_native_bf16() and not lib.linear_any_rows_bf16():
         # the vdpbf16ps build, which cannot tell Zen 4 from Zen 5: the CPU model decides

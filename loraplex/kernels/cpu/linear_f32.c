@@ -32,10 +32,10 @@
 /* The vectors a tile works in, by build: F32_LANES floats each; a tail's mask (the lanes before
  * `left`), and loads and stores of those lanes alone. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* Intel's Xeons (-DF32_TALL_TILE, cpu_lora.build_flags): 8 rows by 48 columns, a block read
- * from L2 once for 8 rows where 4 rows by 96 columns read it twice as often for the same FMAs.
- * At 32 rows the projections are bound by what each core reads while it computes: on a 2-core
- * Xeon (family 6, model 207) offering AVX-512 without AVX512-BF16, AMX or AVX512-FP16,
+/* Intel's Xeons and Zen 5 (-DF32_TALL_TILE, cpu_lora.build_flags): 8 rows by 48 columns, a block
+ * read from L2 once for 8 rows where 4 rows by 96 columns read it twice as often for the same
+ * FMAs. At 32 rows the projections are bound by what each core reads while it computes: on a
+ * 2-core Xeon (family 6, model 207) offering AVX-512 without AVX512-BF16, AMX or AVX512-FP16,
  * SmolLM2's four projections of 30 layers took 34.9-35.7 against 38.9-39.9 ms
  * (benchmarks/prompt_projection.py --dtype float32, 191-195 against 170-175 GFLOP/s; 0.74-0.75x
  * oneDNN's time against 0.80-0.81x), and decode steps of 32 sequences 0.950x the time on the
@@ -44,13 +44,15 @@
  * or better (0.76-0.88x oneDNN's time against 0.79-0.88x), at 256 rows level with oneDNN
  * (1.00-1.03x its time against 0.93-0.96x). The same model offering AVX512-FP16 and AMX too:
  * decode steps 0.951x the time on the base model (layers_ab.py --undefine F32_TALL_TILE, medians
- * of 100 pairs), the projections at 32 rows 0.68x oneDNN's time. Cascade Lake has not been
- * measured with 8 by 48.
- * AMD's: 4 rows by 96 columns. Zen 4's projections are bound by arithmetic, and there 8 by 48
- * made decode steps of 32 sequences slower in all but one run (2-core, family 25, model 17;
+ * of 100 pairs), the projections at 32 rows 0.68x oneDNN's time. On a 2-core Zen 5 (family 26,
+ * model 2), decode steps 0.942x and 0.946x the time on the base model, 0.951x on 32 q,v adapters
+ * and 0.953x on 32 all-module ones (layers_ab.py --define F32_TALL_TILE, medians of 100-150
+ * pairs: 2.0-2.6 ms less of 38-55). Cascade Lake has not been measured with 8 by 48.
+ * Zen 4: 4 rows by 96 columns. Its projections are bound by arithmetic, and there 8 by 48 made
+ * decode steps of 32 sequences slower in all but one run (2-core, family 25, model 17;
  * layers_ab.py --dtype float32, medians of 60-100 alternated pairs): on the base model by 0.15
  * to 2.0 ms of 65-76 (6 runs), on 32 q,v adapters by 0.72 to 1.14 ms (4), on 32 all-module
- * ones by -1.07 to +1.34 ms of 87-97 (3). Zen 5 has not been measured with it. */
+ * ones by -1.07 to +1.34 ms of 87-97 (3). */
 #if defined(F32_TALL_TILE)
 #define F32_COLS 48
 #define F32_ROWS 8
