@@ -161,7 +161,7 @@ _PACKING_ROWS_HINT = 64
 
 
 # The most rows the native projection takes, unless it is as fast for any (bfloat16 with AMX, in
-# its FMA build and on Zen 4: cpu_lora.CpuLinearBf16.any_rows; float32 on Zen 2:
+# its FMA build and on Zen 4: cpu_lora.CpuLinearBf16.any_rows; float32 on Zen 2 and 5:
 # cpu_lora.CpuLinearF32.any_rows); more (prompt chunks) go to oneDNN,
 # whose blocking wins there on Zen 5 (256 rows: 0.77x oneDNN's speed; 64 rows: 0.97x; 32 rows:
 # 1.05-1.14x with weights from memory, measured over SmolLM2's 30 layers).
@@ -188,10 +188,10 @@ class Linear:
     """y = x W^T (+ b), with W stored however the device runs it fastest.
 
     Where choose_linear offers it, batches of up to NATIVE_LINEAR_MAX_ROWS rows (decode steps; in
-    bfloat16 any batch with AMX, in its FMA build and on Zen 4, in float32 on Zen 2, where it is
-    as fast or faster for all) go through the native projection, which makes the LoRA call after
-    it in the same native call (`lora`) and, but with AMX, brings that call's adapter rows into
-    cache while it computes (`fetch`); this keeps a second copy of W, packed for it, beside
+    bfloat16 any batch with AMX, in its FMA build and on Zen 4, in float32 on Zen 2 and 5, where
+    it is as fast or faster for all) go through the native projection, which makes the LoRA call
+    after it in the same native call (`lora`) and, but with AMX, brings that call's adapter rows
+    into cache while it computes (`fetch`); this keeps a second copy of W, packed for it, beside
     oneDNN's for larger batches, but where it takes every product and keeps the one copy.
 
     The lm_head, one pass over a vocabulary of rows, is such a projection too. At SmolLM2's 49,152

@@ -736,8 +736,13 @@ class CpuLinearF32(_NativeLinear):
     each took 0.92x the time on the base model and 0.96x on 32 all-module adapters, engines
     alternated (medians of 3); whole runs of 64 new tokens gave the same tokens, 1.01x the
     throughput, in 566 MiB less memory (1,511 against 2,077 MiB resident after loading
-    SmolLM2). With `any_cpu`, wherever the build has it, fetching (the tests and
-    benchmarks/prompt_projection.py measure it so)."""
+    SmolLM2). On Zen 5 (zen5) too, with the 8 by 48 tile (family 26, model 2): 0.70x / 0.80x /
+    0.89x / 0.97x oneDNN's time at 32 / 64 / 128 / 256 rows, 1.05x and 1.04x at 512 and 1,024
+    (best of 7); on the same prompts, paired runs of each engine (prompt_chunks.py --rounds 6)
+    took 0.82-0.98x the time in 11 of 12 prefills (medians 0.97x on the base model, 0.98x on 32
+    all-module adapters), and whole runs 0.961-1.084x (medians level: 0.99x and 1.01x), the
+    same tokens, keeping 513 against 1,026 MiB of weights. With `any_cpu`, wherever the build
+    has it, fetching (the tests and benchmarks/prompt_projection.py measure it so)."""
 
     dtype = torch.float32
 
@@ -746,7 +751,7 @@ class CpuLinearF32(_NativeLinear):
         super().__init__(lib, native)
         self.fetches = native and (any_cpu or (amd() and not zen3()))
         self.fetches_shrinks = native and not self.fetches and (intel_fp16() or zen3())
-        self.any_rows = native and zen2()
+        self.any_rows = native and (zen2() or zen5())
 
 
 class DecoderLayer(ctypes.Structure):

@@ -27,7 +27,9 @@
  * type. Measured on a 2-core Zen 5 (1 MB of L2 a core), 32 sequences, SmolLM2's heads, a layer's
  * keys not in cache: bfloat16 1.49x / 1.23x / 1.21x faster at 50-100 / 150-300 / 250-500 tokens;
  * float32, whose passes do more arithmetic a byte, 1.01x / 0.96x / 0.98x, so float32 fetches
- * nothing ahead there. Intel's Xeons, whose cores each read memory at about half the box's rate,
+ * nothing ahead there; decode steps of 32 sequences of 64-340 tokens took 1.003x the time with
+ * the fetch on the base model and 1.009x on 32 q,v adapters (family 26, model 2; layers_ab.py
+ * --dtype float32 --define F32_FETCH_NEXT, medians of 100 pairs). Intel's Xeons, whose cores each read memory at about half the box's rate,
  * Zen 3 and Zen 4 fetch in float32 too (F32_FETCH_NEXT, cpu_lora.build_flags): on a 2-core Xeon
  * (family 6, model 207, float32 served; 2 MB of L2 a core), a layer's call took 0.863x /
  * 0.889-0.927x / 0.974-0.983x as long at 30 / 100 / 300 tokens, 1.003x at 600 (past the limit,
