@@ -7,9 +7,9 @@ the next of 32 distinct rank-16 adapters. Once the first have started, every ste
 prompt beside about 31 decode tokens: more rows than a decode step (NATIVE_LINEAR_MAX_ROWS).
 
 Where the native projection takes such steps and fetches, it brings the step's LoRA rows into
-cache while it computes, as in a decode step. That is bfloat16 on Zen 4 and in the FMA build,
-and float32 on Zen 2. Without the fetch, the decode tokens' rows come from memory during the
-LoRA call, one adapter's after another's.
+cache while it computes, as in a decode step. That is bfloat16 on Zen 4 and 5 and in the FMA
+build, and float32 on Zen 2 and 5. Without the fetch, the decode tokens' rows come from memory
+during the LoRA call, one adapter's after another's.
 
 For 32 q,v adapters and for 32 all-module ones, this times runs of `--steps` such steps each
 way: with that fetch (`fetching`, the engine's) and with fetches in decode-sized steps alone

@@ -1,16 +1,17 @@
-"""Prompt chunks through oneDNN's float32 projection against the native one's, whole runs.
+"""Prompt chunks through oneDNN's projection against the native one's, whole runs.
 
-    python benchmarks/prompt_chunks.py [--rounds 3] [--new-tokens 64]
+    python benchmarks/prompt_chunks.py [--dtype float32|bfloat16] [--rounds 3] [--new-tokens 64]
 
-Decides from whole runs whether a CPU's native float32 projection (kernels/cpu/linear_f32.c)
-should take batches of every size (cpu_lora.CpuLinearF32.any_rows, as on Zen 2), where
-prompt_projection.py --dtype float32 times the projections alone, without what changes with
-them in a step: a chunk's LoRA calls, made in the native projection's own call, and what the
-decode tokens beside it find in cache. Two engines (SmolLM2, float32, 256 tokens a step), one
-giving prompt chunks to oneDNN (and keeping its copy of the weights), the other to the native
-projection, run side_by_side.py's workload in turn: 32 requests of 64 prompt tokens, greedy,
-EOS ignored, on the base model and on 32 distinct rank-16 all-module adapters (request i on
-adapter i),
+Decides from whole runs whether a CPU's native projection should take batches of every size: in
+float32 (kernels/cpu/linear_f32.c) cpu_lora.CpuLinearF32.any_rows, as on Zen 2 and 5; in
+bfloat16 (kernels/cpu/linear.c) cpu_lora.CpuLinearBf16.any_rows, as with AMX, in the FMA build
+and on Zen 4 and 5. prompt_projection.py [--dtype float32] times the projections alone, without what
+changes with them in a step: a chunk's LoRA calls, made in the native projection's own call, and
+what the decode tokens beside it find in cache. Two engines (SmolLM2, `--dtype`, 256 tokens a
+step), one giving prompt chunks to oneDNN (and keeping its copy of the weights), the other to
+the native projection, run side_by_side.py's workload in turn: 32 requests of 64 prompt tokens,
+greedy, EOS ignored, on the base model and on 32 distinct rank-16 all-module adapters (request i
+on adapter i),
 
 * the prompts alone (one new token each: the prefill, 8 chunks),
 * and whole runs (`--new-tokens` each).
@@ -18,7 +19,8 @@ adapter i),
 Every timed run has prompts of its own, the same for both engines (each engine's prefix cache
 would otherwise skip a repeated prompt's prefill), and which engine goes first alternates from
 round to round. Prints each engine's median time, the native engine's time as a multiple of the
-oneDNN one's per pair, whether both gave the same tokens, and the bytes of weights each keeps.
+oneDNN one's per pair, whether both gave the same tokens (in bfloat16 the two products round
+differently, and a near-tie may flip), and the bytes of weights each keeps.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
@@ -64,9 +67,13 @@ def main() -> None:
     from loraplex.engine.tokenizer import TokenizerWrapper
     from loraplex.kernels import cpu_lora
 
-    lib = cpu_lora.library()
-    if lib is None or not cpu_lora.CpuLinearF32(lib).supports(torch.float32):
-        raise SystemExit("the engine takes no native float32 projection on this CPU")
+    lib, dtype = cpu_lora.library(), getattr(torch, args.dtype)
+    kernel_type, loader_name = {
+        torch.float32: (cpu_lora.CpuLinearF32, "load_linear_f32"),
+        torch.bfloat16: (cpu_lora.CpuLinearBf16, "load_linear"),
+    }[dtype]
+    if lib is None or not kernel_type(lib).supports(dtype):
+        raise SystemExit(f"the engine takes no native {args.dtype} projection on this CPU")
     model_dir = resolve_model("default")
     # (run, new tokens a request, base model or adapters), each timed on a batch of its own
     runs = list(
@@ -78,13 +85,14 @@ def main() -> None:
     warmup = next(batches)
 
     def engine(any_rows: bool) -> LLM:
-        kernel = cpu_lora.CpuLinearF32(lib)  # as the engine takes it here, but any_rows
+        kernel = kernel_type(lib)  # as the engine takes it here, but any_rows
         kernel.any_rows = any_rows
-        loader, cpu_lora.load_linear_f32 = cpu_lora.load_linear_f32, lambda: kernel
+        loader = getattr(cpu_lora, loader_name)
+        setattr(cpu_lora, loader_name, lambda: kernel)
         try:
-            return LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=256)
+            return LLM(model=str(model_dir), dtype=args.dtype, max_num_batched_tokens=256)
         finally:
-            cpu_lora.load_linear_f32 = loader
+            setattr(cpu_lora, loader_name, loader)
 
     def timed(llm: LLM, batch, new_tokens: int, loras) -> tuple[float, list]:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -114,8 +122,9 @@ def main() -> None:
                 same &= tokens["oneDNN"] == tokens["native"]
 
         print(
-            f"SmolLM2, float32, {args.threads} threads, 256 tokens a step; {REQUESTS} requests of "
-            f"{PROMPT_TOKENS} prompt tokens; medians of {args.rounds} rounds, engines alternated"
+            f"SmolLM2, {args.dtype}, {args.threads} threads, 256 tokens a step; {REQUESTS} "
+            f"requests of {PROMPT_TOKENS} prompt tokens; medians of {args.rounds} rounds, engines "
+            "alternated"
         )
         for run in runs:
             (what, new_tokens), kind = run

@@ -12,7 +12,8 @@ takes every batch (cpu_lora.CpuLinearBf16.any_rows: with AMX, in the FMA build, 
 model keeps no oneDNN copy of its weights. Needs a CPU with AMX or AVX512-BF16. With
 --dtype float32, the float32 projection (kernels/cpu/linear_f32.c, any CPU with AVX-512 or AVX2
 and FMA; the engine takes it for decode steps on AMD's and on Intel's with AVX-512, where it was
-measured, and for every batch on Zen 2, where it was under 1 at every size: cpu_lora.CpuLinearF32):
+measured, and for every batch on Zen 2, where it was under 1 at every size, and on Zen 5, where
+whole runs were level (prompt_chunks.py): cpu_lora.CpuLinearF32):
 where it is under 1 at 32 rows on another CPU, that CPU may take it too; projection_ab.py then
 compares whole steps.
 """

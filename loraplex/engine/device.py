@@ -5,14 +5,15 @@ with the machine's C compiler) for decode tokens, or, where it cannot be built, 
 stacks decode tokens' adapters into batched matmuls (the Triton interpreter is for testing, far
 too slow to serve).
 
-On CPU, dense projections run through oneDNN with weights prepacked once at load time: on the
-2-core AVX-512 machines loraplex is developed on, that is 2-3x faster than the default BLAS path
-for the 32-to-256-row batches of a serving step, and still IEEE float32. In bfloat16, a decode
-step's products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel instead, on AMX
-tiles or AVX512-BF16 dot products (choose_linear); with AMX, in its FMA build and on Zen 4,
-every product does. In float32 on Zen 4 and 5 and on Intel Xeons with AVX-512, a decode step's
-products go through the native float32 kernel (IEEE products and sums, in another order
-than oneDNN's). Anywhere else (CUDA, or a CPU build without oneDNN), `torch.nn.functional.linear`.
+On CPU, dense projections run through oneDNN with weights prepacked once at load time: on the 2-core
+AVX-512 machines loraplex is developed on, that is 2-3x faster than the default BLAS path for the
+32-to-256-row batches of a serving step, and still IEEE float32. In bfloat16, a decode step's
+products (up to NATIVE_LINEAR_MAX_ROWS rows) go through the native kernel instead, on AMX tiles or
+AVX512-BF16 dot products (choose_linear); with AMX, in its FMA build and on Zen 4 and 5, every
+product does. In float32 on AMD's (Zen 2 to 5) and on Intel Xeons with AVX-512, a decode step's
+products go through the native float32 kernel (on Zen 2 and 5 every product; IEEE products and sums,
+in another order than oneDNN's). Anywhere else (CUDA, or a CPU build without oneDNN),
+`torch.nn.functional.linear`.
 """
 
 from __future__ import annotations
@@ -161,10 +162,9 @@ _PACKING_ROWS_HINT = 64
 
 
 # The most rows the native projection takes, unless it is as fast for any (bfloat16 with AMX, in
-# its FMA build and on Zen 4: cpu_lora.CpuLinearBf16.any_rows; float32 on Zen 2 and 5:
-# cpu_lora.CpuLinearF32.any_rows); more (prompt chunks) go to oneDNN,
-# whose blocking wins there on Zen 5 (256 rows: 0.77x oneDNN's speed; 64 rows: 0.97x; 32 rows:
-# 1.05-1.14x with weights from memory, measured over SmolLM2's 30 layers).
+# its FMA build and on Zen 4 and 5: cpu_lora.CpuLinearBf16.any_rows; float32 on Zen 2 and 5:
+# cpu_lora.CpuLinearF32.any_rows); more (prompt chunks) go to oneDNN, whose blocking wins there
+# elsewhere (float32 on Zen 4: 256 rows 1.08-1.13x oneDNN's time, cpu_lora.CpuLinearF32).
 NATIVE_LINEAR_MAX_ROWS = 32
 
 
@@ -188,11 +188,11 @@ class Linear:
     """y = x W^T (+ b), with W stored however the device runs it fastest.
 
     Where choose_linear offers it, batches of up to NATIVE_LINEAR_MAX_ROWS rows (decode steps; in
-    bfloat16 any batch with AMX, in its FMA build and on Zen 4, in float32 on Zen 2 and 5, where
-    it is as fast or faster for all) go through the native projection, which makes the LoRA call
-    after it in the same native call (`lora`) and, but with AMX, brings that call's adapter rows
-    into cache while it computes (`fetch`); this keeps a second copy of W, packed for it, beside
-    oneDNN's for larger batches, but where it takes every product and keeps the one copy.
+    bfloat16 any batch with AMX, in its FMA build and on Zen 4 and 5, in float32 on Zen 2 and 5,
+    where it is as fast or faster for all) go through the native projection, which makes the LoRA
+    call after it in the same native call (`lora`) and, but with AMX, brings that call's adapter
+    rows into cache while it computes (`fetch`); this keeps a second copy of W, packed for it,
+    beside oneDNN's for larger batches, but where it takes every product and keeps the one copy.
 
     The lm_head, one pass over a vocabulary of rows, is such a projection too. At SmolLM2's 49,152
     x 576 and 32 rows, against oneDNN's: bfloat16 with AMX 1.74 against 2.09 ms on a 2-core Xeon,
@@ -213,7 +213,7 @@ class Linear:
         self._native_packed = self._native.pack(weight) if self._native is not None else None
         self.weight: torch.Tensor | None = weight
         # the native projection takes every product, of any shape (bfloat16 with AMX, in its
-        # FMA build and on Zen 4; float32 on Zen 2)
+        # FMA build and on Zen 4 and 5; float32 on Zen 2 and 5)
         self._native_takes_all = self._native is not None and self._native.any_rows
         if self._native_takes_all:
             self.weight = None

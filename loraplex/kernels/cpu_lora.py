@@ -1,15 +1,15 @@
 """The CPU kernels (the C files of kernels/cpu/): built once per machine with its own C compiler
-into one library, loaded with ctypes. The LoRA kernel is called once per (layer, projection
-input, group of runs): q, k and v in one call, gate and up in one; the attention kernel
-(`CpuAttentionKernel`: decode tokens, and in bfloat16 prompt tokens too) once per layer, as are
-the model's norms and rotary embedding (`CpuOps`); greedy sampling's argmax (`CpuArgmax`) once
-per step; on CPUs with AMX or AVX512-BF16, a bfloat16 decode step's dense projections
-(`CpuLinearBf16`; every product with AMX, in its FMA build and on Zen 4), and on Zen 4 and 5 and
-Intel with AVX-512 a float32 one's (`CpuLinearF32`), each making the LoRA call after it in the same
-native call and, but with AMX, bringing that call's adapter rows into cache while it computes
-(`Fetch`); where every projection of a step is native, its decoder layers in one call
-(`CpuDecoderLayers`); and, off the engine thread, an adapter's file converted into the pages of
-its pool image as it is read (`CpuPacker`).
+into one library, loaded with ctypes. The LoRA kernel is called once per (layer, projection input,
+group of runs): q, k and v in one call, gate and up in one; the attention kernel
+(`CpuAttentionKernel`: decode tokens, and in bfloat16 prompt tokens too) once per layer, as are the
+model's norms and rotary embedding (`CpuOps`); greedy sampling's argmax (`CpuArgmax`) once per step;
+on CPUs with AMX or AVX512-BF16, a bfloat16 decode step's dense projections (`CpuLinearBf16`; every
+product with AMX, in its FMA build and on Zen 4 and 5), and on AMD's and Intel's with AVX-512 a
+float32 one's (`CpuLinearF32`; every product on Zen 2 and 5), each making the LoRA call after it in
+the same native call and, but with AMX, bringing that call's adapter rows into cache while it
+computes (`Fetch`); where every projection of a step is native, its decoder layers in one call
+(`CpuDecoderLayers`); and, off the engine thread, an adapter's file converted into the pages of its
+pool image as it is read (`CpuPacker`).
 
 torch's own ops cannot read an adapter's rows in place for many adapters at once: the CPU path
 either copies every row into a buffer first (index_select) or pays one small matmul per adapter,
@@ -148,14 +148,19 @@ def intel_fp16() -> bool:
     return intel_avx512() and "avx512_fp16" in cpu_flags()
 
 
-def zen4_bf16() -> bool:
-    """Whether the CPU is AMD's Zen 4 with AVX512-BF16 (zen4), where the native bfloat16
-    projection outruns oneDNN's at every batch size: on a 2-core EPYC (family 25, model 17),
+def amd_bf16() -> bool:
+    """Whether the CPU is AMD's with AVX512-BF16 (Zen 4 and 5), where the native bfloat16
+    projection outruns oneDNN's at every batch size: on a 2-core Zen 4 (family 25, model 17),
     SmolLM2's projections over 30 layers took 0.76-0.78x oneDNN's time at 32-33 rows and
     0.84-0.92x at 64-256 (benchmarks/prompt_projection.py), the lm_head's 49,152 x 576 at 32
-    rows 4.8 against 5.3 ms. On Zen 5, oneDNN's kernels win past decode-sized batches (256 rows:
-    0.77x its speed)."""
-    return zen4() and "avx512_bf16" in cpu_flags()
+    rows 4.8 against 5.3 ms. On a 2-core Zen 5 (family 26, model 2), 0.74x / 0.80x / 0.85x /
+    0.88x / 0.93x at 32 / 64 / 96 / 128 / 256 rows, 0.97x and 0.96x at 512 and 1,024 (an earlier
+    Zen 5 had measured oneDNN's faster from 64 rows, 256 rows 0.77x its speed, before the
+    kernel's later changes); whole runs there (benchmarks/prompt_chunks.py --dtype bfloat16,
+    medians of 6 alternated pairs) took 0.87x the time of the prompts alone on the base model
+    and on 32 all-module adapters, 0.94x and 0.96x with 64 new tokens each (23 of 24 pairs
+    lower), keeping 256 against 513 MiB of weights."""
+    return amd_avx512() and "avx512_bf16" in cpu_flags()
 
 
 def build_flags() -> tuple[str, ...]:
@@ -665,7 +670,8 @@ class CpuLinearBf16(_NativeLinear):
     """bfloat16 dense projections on CPUs with AMX or AVX512-BF16 (cpu/linear.c). It supports
     bfloat16 only where the library was compiled for either (and, with AMX, Linux grants the
     tiles), and nothing elsewhere. It fetches but with AMX, where the products are bound by
-    memory themselves; it takes any rows with AMX, in its FMA build, and on Zen 4 (zen4_bf16)."""
+    memory themselves; it takes any rows with AMX, in its FMA build, and on Zen 4 and 5
+    (amd_bf16)."""
 
     dtype = torch.bfloat16
 
@@ -673,7 +679,7 @@ class CpuLinearBf16(_NativeLinear):
         native = bool(lib.linear_native_bf16())
         super().__init__(lib, native)
         self.fetches = native and bool(lib.linear_fetches_bf16())
-        self.any_rows = native and (bool(lib.linear_any_rows_bf16()) or zen4_bf16())
+        self.any_rows = native and (bool(lib.linear_any_rows_bf16()) or amd_bf16())
 
 
 class CpuLinearF32(_NativeLinear):

@@ -30,10 +30,10 @@ def test_auto_on_a_cpu_with_and_without_native_bfloat16(monkeypatch, native, exp
 
 
 @pytest.mark.parametrize(
-    "vendor, family, flags, fma_build, zen4, f32, fetch_next",
+    "vendor, family, flags, fma_build, amd_bf16, f32, fetch_next",
     [
         ("AuthenticAMD", "25", "avx2 avx512f avx512_bf16", False, True, "fetching", True),  # Zen 4
-        ("AuthenticAMD", "26", "avx2 avx512f avx512_bf16", False, False, "fetching", False),  # Zen5
+        ("AuthenticAMD", "26", "avx2 avx512f avx512_bf16", False, True, "fetching", False),  # Zen 5
         ("AuthenticAMD", "25", "avx2", False, False, "shrinks", True),  # Zen 3: no AVX-512
         ("AuthenticAMD", "23", "avx2", False, False, "fetching", False),  # Zen 2
         # Intel: AVX-512 alone (Cascade Lake), AVX512-BF16 without AVX512-FP16 (Cooper Lake);
@@ -47,18 +47,18 @@ def test_auto_on_a_cpu_with_and_without_native_bfloat16(monkeypatch, native, exp
     ],
 )  # fmt: skip
 def test_the_kernels_follow_the_cpu_model(
-    monkeypatch, vendor, family, flags, fma_build, zen4, f32, fetch_next
+    monkeypatch, vendor, family, flags, fma_build, amd_bf16, f32, fetch_next
 ):
     """Which bfloat16 build and projection a CPU gets, from what /proc/cpuinfo reports: the FMA
-    build where vdpbf16ps runs at half rate (Intel without AMX), and on Zen 4 alone of the
-    vdpbf16ps CPUs the native projection for prompt chunks as well; and the native float32
-    projection (where the library has it: AVX-512, or AVX2 and FMA) on AMD's (Zen 2 to 5),
-    fetching the LoRA rows (on Zen 3 only the A rows of the LoRA call it makes), and on Intel
-    with AVX-512, since Sapphire Rapids fetching the A rows of the LoRA call it makes, before it
-    fetching nothing; Intel's with AVX2 alone keep oneDNN's. The float32 decode attention
-    fetches a thread's next sequence where that was measured faster in steps (Intel's Xeons with
-    AVX-512, Zen 3 and Zen 4), and the float32 projection's tiles are 8 rows tall on Intel's
-    Xeons with AVX-512 and on Zen 5."""
+    build where vdpbf16ps runs at half rate (Intel without AMX), and on AMD's (Zen 4 and 5)
+    alone of the vdpbf16ps CPUs the native projection for prompt chunks as well; and the native
+    float32 projection (where the library has it: AVX-512, or AVX2 and FMA) on AMD's (Zen 2 to
+    5), fetching the LoRA rows (on Zen 3 only the A rows of the LoRA call it makes), and on
+    Intel with AVX-512, since Sapphire Rapids fetching the A rows of the LoRA call it makes,
+    before it fetching nothing; Intel's with AVX2 alone keep oneDNN's. The float32 decode
+    attention fetches a thread's next sequence where that was measured faster in steps (Intel's
+    Xeons with AVX-512, Zen 3 and Zen 4), and the float32 projection's tiles are 8 rows tall on
+    Intel's Xeons with AVX-512 and on Zen 5."""
     # this machine's build, taken before the CPU is faked: library() keeps what it first builds
     # for the process, and a faked CPU would have it build (and keep) that CPU's
     lib = cpu_lora.library()
@@ -69,10 +69,10 @@ def test_the_kernels_follow_the_cpu_model(
     avx512 = "avx512f" in flags.split()
     tall = avx512 and (vendor == "GenuineIntel" or family == "26")  # Intel's Xeons and Zen 5
     assert ("-DF32_TALL_TILE" in cpu_lora.build_flags()) == tall
-    assert cpu_lora.zen4_bf16() == zen4
+    assert cpu_lora.amd_bf16() == amd_bf16
     if lib is not None and lib.linear_native_bf16() and not lib.linear_any_rows_bf16():
-        # the vdpbf16ps build, which cannot tell Zen 4 from Zen 5: the CPU model decides
-        assert cpu_lora.CpuLinearBf16(lib).any_rows == zen4
+        # the vdpbf16ps build, which cannot tell AMD's from Intel's: the CPU's vendor decides
+        assert cpu_lora.CpuLinearBf16(lib).any_rows == amd_bf16
     if lib is not None and lib.linear_native_f32():
         assert cpu_lora.CpuLinearF32(lib).supports(torch.float32) == (f32 is not None)
         assert cpu_lora.CpuLinearF32(lib).fetches == (f32 == "fetching")

@@ -143,10 +143,10 @@ def test_rows_a_stride_apart_and_larger_batches_agree(build):
 
 @bf16_native
 def test_where_it_takes_every_batch_a_row_gives_the_same_bits_in_any_batch(build):
-    """With AMX, on Zen 4 and in the FMA build the native projection takes batches of any size,
-    each row's sums kept apart from the other rows': a token's projection is the same bits whether
-    it runs alone, in a decode batch or in a prompt chunk (112 inputs: with AMX, three steps of
-    tiles and a vdpbf16ps tail)."""
+    """With AMX, on Zen 4 and 5 and in the FMA build the native projection takes batches of any
+    size, each row's sums kept apart from the other rows': a token's projection is the same bits
+    whether it runs alone, in a decode batch or in a prompt chunk (112 inputs: with AMX, three
+    steps of tiles and a vdpbf16ps tail)."""
     torch.manual_seed(1)
     weight = (torch.randn(200, 112) * 0.2).bfloat16()
     linear = device.Linear(weight, torch.randn(200).bfloat16())
@@ -293,8 +293,8 @@ def projection_and_call_give_their_bits_apart(
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (100, 37), (1, 1), (97, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_projection_is_the_product(f32_kernel, rows, out_features, in_features, with_bias):
-    """Decode-sized batches through the native float32 projection, larger ones (33 rows)
-    through oneDNN's (but on Zen 2): float32's product either way, to its rounding over the sum's
+    """Decode-sized batches through the native float32 projection, larger ones (33 rows) through
+    oneDNN's (but on Zen 2 and 5): float32's product either way, to its rounding over the sum's
     length."""
     torch.manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features) * 0.2
@@ -358,10 +358,10 @@ def test_float32_projection_taking_every_batch_makes_a_prompt_chunks_lora_call(
 def test_an_engine_whose_float32_projection_takes_prompt_chunks_matches_transformers_and_peft(
     f32_every_batch, tiny_llama, tiny_adapters, report, monkeypatch
 ):
-    """As served on Zen 2: prompt chunks (a prompt longer than a chunk too, beside decode steps)
-    through the native float32 projection, each with its LoRA call in the same native call and
-    that call's adapter rows fetched meanwhile, on the base model and on adapters of every rank
-    and module set; greedy tokens identical to transformers' and PEFT's."""
+    """As served on Zen 2 and 5: prompt chunks (a prompt longer than a chunk too, beside decode
+    steps) through the native float32 projection, each with its LoRA call in the same native
+    call and that call's adapter rows fetched meanwhile, on the base model and on adapters of
+    every rank and module set; greedy tokens identical to transformers' and PEFT's."""
     llm = make_llm(tiny_llama, max_num_batched_tokens=CHUNK)
     model = llm.engine.runner.model
     assert all(p._native_takes_all for p in (model.layers[0].qkv, model.layers[0].down))
