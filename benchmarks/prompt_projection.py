@@ -8,8 +8,8 @@ memory), for batches of ROWS rows (default 32 33 64 100 128 256: a decode step's
 chunks'): the native kernel (kernels/cpu/linear.c, W packed its way) and oneDNN's (W packed
 its way), alternated, best of 7 passes each. Prints the time of each, its GFLOP/s and the native
 time as a multiple of oneDNN's: where it is at or under 1 for every size, the native projection
-takes every batch (cpu_lora.CpuLinearBf16.any_rows: with AMX, in the FMA build, on Zen 4) and the
-model keeps no oneDNN copy of its weights. Needs a CPU with AMX or AVX512-BF16. With
+takes every batch (cpu_lora.CpuLinearBf16.any_rows: with AMX, in the FMA build, on Zen 4 and 5)
+and the model keeps no oneDNN copy of its weights. Needs a CPU with AMX or AVX512-BF16. With
 --dtype float32, the float32 projection (kernels/cpu/linear_f32.c, any CPU with AVX-512 or AVX2
 and FMA; the engine takes it for decode steps on AMD's and on Intel's with AVX-512, where it was
 measured, and for every batch on Zen 2, where it was under 1 at every size, and on Zen 5, where

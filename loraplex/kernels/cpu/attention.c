@@ -27,22 +27,23 @@
  * type. Measured on a 2-core Zen 5 (1 MB of L2 a core), 32 sequences, SmolLM2's heads, a layer's
  * keys not in cache: bfloat16 1.49x / 1.23x / 1.21x faster at 50-100 / 150-300 / 250-500 tokens;
  * float32, whose passes do more arithmetic a byte, 1.01x / 0.96x / 0.98x, so float32 fetches
- * nothing ahead there; decode steps of 32 sequences of 64-340 tokens took 1.003x the time with
- * the fetch on the base model and 1.009x on 32 q,v adapters (family 26, model 2; layers_ab.py
- * --dtype float32 --define F32_FETCH_NEXT, medians of 100 pairs). Intel's Xeons, whose cores each read memory at about half the box's rate,
- * Zen 3 and Zen 4 fetch in float32 too (F32_FETCH_NEXT, cpu_lora.build_flags): on a 2-core Xeon
- * (family 6, model 207, float32 served; 2 MB of L2 a core), a layer's call took 0.863x /
- * 0.889-0.927x / 0.974-0.983x as long at 30 / 100 / 300 tokens, 1.003x at 600 (past the limit,
- * fetching nothing), the same bits (benchmarks/attention_ab.py --dtype float32), and a decode step
- * of 32 sequences on the base model 0.983x (benchmarks/layers_ab.py --dtype float32). On a 2-core
- * Zen 4 (family 25, model 17; 1 MB of L2 a core), a layer's call 0.815x / 0.90-0.92x / 0.96-1.07x /
- * 0.89-1.13x at 30 / 100-128 / 200-256 / 300 tokens, but decode steps of 32 sequences of 150-260
- * tokens 0.954-0.970x the time on the base model, 0.967-0.970x on 32 q,v adapters, 0.961x on 32
- * all-module ones (layers_ab.py, medians of 100 alternated pairs). On a 2-core Zen 3 (family 25,
- * model 1; 512 KB of L2 a core), a layer's call 0.89x / 0.94-0.95x / 1.06x / 1.03-1.12x at 30-64 /
- * 100-128 / 200 / 300 tokens, decode steps 0.980x, 0.983x and 0.996x on the base model, 0.989x on
- * 32 q,v adapters, 0.981x on 32 all-module ones. On the Xeon of model 207 offering AVX512-FP16 and
- * AMX, 0.984x at 300 tokens. Cascade Lake and Zen 2 have not been measured with it. */
+ * nothing ahead there; decode steps of 32 sequences of 64-340 tokens took 1.003x the time with the
+ * fetch on the base model and 1.009x on 32 q,v adapters (family 26, model 2; layers_ab.py --dtype
+ * float32 --define F32_FETCH_NEXT, medians of 100 pairs). Intel's Xeons, whose cores each read
+ * memory at about half the box's rate, Zen 3 and Zen 4 fetch in float32 too (F32_FETCH_NEXT,
+ * cpu_lora.build_flags): on a 2-core Xeon (family 6, model 207, float32 served; 2 MB of L2 a core),
+ * a layer's call took 0.863x / 0.889-0.927x / 0.974-0.983x as long at 30 / 100 / 300 tokens, 1.003x
+ * at 600 (past the limit, fetching nothing), the same bits (benchmarks/attention_ab.py --dtype
+ * float32), and a decode step of 32 sequences on the base model 0.983x (benchmarks/layers_ab.py
+ * --dtype float32). On a 2-core Zen 4 (family 25, model 17; 1 MB of L2 a core), a layer's call
+ * 0.815x / 0.90-0.92x / 0.96-1.07x / 0.89-1.13x at 30 / 100-128 / 200-256 / 300 tokens, but decode
+ * steps of 32 sequences of 150-260 tokens 0.954-0.970x the time on the base model, 0.967-0.970x on
+ * 32 q,v adapters, 0.961x on 32 all-module ones (layers_ab.py, medians of 100 alternated pairs). On
+ * a 2-core Zen 3 (family 25, model 1; 512 KB of L2 a core), a layer's call 0.89x / 0.94-0.95x /
+ * 1.06x / 1.03-1.12x at 30-64 / 100-128 / 200 / 300 tokens, decode steps 0.980x, 0.983x and 0.996x
+ * on the base model, 0.989x on 32 q,v adapters, 0.981x on 32 all-module ones. On the Xeon of model
+ * 207 offering AVX512-FP16 and AMX, 0.984x at 300 tokens. Cascade Lake and Zen 2 have not been
+ * measured with it. */
 #define UPCOMING_BF16 (512 << 10)
 #if defined(F32_FETCH_NEXT)
 #define UPCOMING_F32 UPCOMING_BF16
