@@ -1,7 +1,7 @@
 """Two builds of the CPU kernels compared in one process, decode step by decode step.
 
     python benchmarks/kernel_ab.py --against REV [--modules qv|all] [--dtype bfloat16|float32]
-                                   [--fetch timed|ahead|own] [--adapters N]
+                                   [--fetch timed|ahead|all|shrinks] [--adapters N]
 
 Builds the kernels' C sources as they are at git revision REV into a library of its own beside
 the working tree's, then runs 32 sequences decoding together on 32 distinct rank-16 adapters
@@ -184,7 +184,8 @@ def _bound_calls(model) -> list:
     from loraplex.kernels import cpu_lora
 
     calls = []
-    for layer in model._steps.layers if model._steps else []:
+    steps = model._steps
+    for layer in steps.layers_for(steps.contents[0]) if steps else []:
         for step in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if step.plan is not None:
                 calls += [c for c in step.plan.calls if isinstance(c, cpu_lora.BoundLoRA)]
@@ -204,15 +205,17 @@ def main() -> None:
         "--adapters", type=int, help="distinct adapters, shared in turn (default: one a sequence)"
     )
     parser.add_argument(
-        "--fetch", choices=("timed", "ahead", "own"), default="timed",
-        help="where a layer's q,k,v rows are fetched (where the build fetches): as the model "
-        "times it (fetch_placement.py), by the gate_up before, or by the q,k,v projection",
+        "--fetch", choices=("timed", "ahead", "all", "shrinks"), default="timed",
+        help="how a layer's q,k,v rows are fetched (where the build fetches): as the model "
+        "times it (fetch_placement.py), by the gate_up before, or by the q,k,v projection, all "
+        "of them or (float32) their A rows alone",
     )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(2)
 
     from loraplex import LLM
     from loraplex.engine.default_model import resolve_model
+    from loraplex.engine.fetch_placement import ROUNDS
 
     n, modules = args.sequences, QV if args.modules == "qv" else ALL
     count = args.adapters or n
@@ -222,7 +225,8 @@ def main() -> None:
         engine, dtype = llm.engine, getattr(torch, args.dtype)
         loras = load_random_adapters(llm, modules, count, Path(tmp))
         switch = LoRASwitch()
-        warmup = 140  # past the prefills and the model's first timing of where rows are fetched
+        # past the prefills and the model's first timing of how rows are fetched (3 ways at most)
+        warmup = 3 * ROUNDS + 20
         add_decoding(
             engine, make_prompts(llm.tokenizer, n, 64), loras, warmup + 3 * args.rounds + 8
         )
@@ -231,7 +235,7 @@ def main() -> None:
         model = engine.runner.model
         model.fuse_layers = False  # the LoRA calls from Python, where the builds swap
         if args.fetch != "timed":
-            model.fetch_placement.fix(args.fetch == "ahead")
+            model.fetch_placement.fix(args.fetch)
         builds = {
             "working tree": LoRACalls.of_engine(model),
             args.against: LoRACalls.of_library(other, dtype),

@@ -53,6 +53,7 @@ def main() -> None:
 
     from loraplex import LLM
     from loraplex.engine.default_model import resolve_model
+    from loraplex.engine.fetch_placement import ROUNDS
     from loraplex.kernels import cpu_lora
 
     n = args.sequences
@@ -66,7 +67,8 @@ def main() -> None:
         engine = llm.engine
         modules = QV if args.modules == "qv" else ALL
         loras = load_random_adapters(llm, modules, args.adapters, Path(tmp))
-        warmup = 80  # past the prefills (and the model's first timing of where rows are fetched)
+        # past the prefills and the model's first timing of how rows are fetched (3 ways at most)
+        warmup = 3 * ROUNDS + 20
         add_decoding(
             engine, make_prompts(llm.tokenizer, n, 64), loras, warmup + 2 * args.rounds + 8
         )

@@ -32,9 +32,9 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
   58-64 ms for tens of seconds), longer than one measurement, and two far apart show when one
   fell in one;
 * what brings the q,v adapters' rows into cache before their LoRA call: where the build's
-  projection fetches them, the place the engine chose by timing steps after a warm-up long
-  enough for it (fetch_placement.py); its A rows alone, where it fetches only those (float32 on
-  Intel with AVX512-FP16); or nothing (the AMX build);
+  projection fetches them, the way the engine chose by timing steps after a warm-up long
+  enough for it (fetch_placement.py: the layer before's gate_up, or the q,k,v projection itself
+  fetching all of them or, in float32, their A rows alone); or nothing (the AMX build);
 * the same batches with each CPU LoRA strategy forced: *native* (the C kernel in
   kernels/cpu/lora.c, reading every decode token's rows in place; the default where it
   builds), and the torch path's two, *gathered* (every decode token's adapter rows copied into
@@ -231,18 +231,21 @@ def whole_runs(llm, rounds: list[dict], loras, new_tokens: int) -> Workload:
 def rows_fetched(model, rows: int, modules: tuple[str, ...]) -> str:
     """What brings a decode step's q,k,v adapter rows (a step of `rows` rows, adapters on
     `modules`) into cache before their LoRA call in this build, as a line to print."""
+    from loraplex.engine import fetch_placement as fp
+
     qkv = model.layers[0].qkv
-    if qkv.fetches_rows(rows):
-        if "gate_proj" in modules or "up_proj" in modules:
-            return "q,k,v rows fetched by the q,k,v projection itself (gate_up has LoRA of its own)"
-        if not qkv.fetches_decode_rows(rows):
-            return "q,k,v rows fetched by the q,k,v projection itself (a step past decode size)"
-        ahead = model.fetch_placement.ahead
-        where = "the layer before's gate_up" if ahead else "the q,k,v projection itself"
-        return f"q,k,v rows fetched by {where}: the engine's timed choice"
-    if qkv.fetches_shrink_rows(rows):
-        return "q,k,v A rows fetched by their projection itself; B rows read by the expands"
-    return "q,k,v rows: nothing fetches them before their LoRA call in this build"
+    if not (qkv.fetches_rows(rows) or qkv.fetches_shrink_rows(rows)):
+        return "q,k,v rows: nothing fetches them before their LoRA call in this build"
+    steps = model._steps
+    way = model.fetch_placement.chosen(steps.key, steps.ways)
+    by = {
+        fp.AHEAD: "all of them by the layer before's gate_up",
+        fp.ALL: "all of them by the q,k,v projection itself",
+        fp.SHRINKS: "their A rows alone by the q,k,v projection itself (B rows by the expands)",
+    }[way]
+    if len(steps.ways) == 1:
+        return f"q,k,v rows fetched {by}: the one way here"
+    return f"q,k,v rows fetched {by}: the engine's timed choice of {', '.join(steps.ways)}"
 
 
 def adapter_bytes(engine) -> int:
@@ -268,7 +271,7 @@ def main() -> None:
     import loraplex.engine.adapters.lora_batch as lora_batch
     from loraplex import LLM
     from loraplex.engine.default_model import resolve_model
-    from loraplex.engine.fetch_placement import PAIRS as FETCH_PAIRS
+    from loraplex.engine.fetch_placement import ROUNDS as FETCH_ROUNDS
 
     probe = BandwidthProbe()
     bandwidth = probe.read(5)
@@ -293,7 +296,7 @@ def main() -> None:
             sets = prompt_sets(make_prompts(llm.tokenizer, n * (1 + 2 * runs), PROMPT_TOKENS), n)
             prompts = sets["warmup"]
             # warm up, and past the engine's first timing of where to fetch q,k,v rows
-            decode_steps(llm.engine, prompts, loras, 2 * FETCH_PAIRS + 2, switch)
+            decode_steps(llm.engine, prompts, loras, 3 * FETCH_ROUNDS + 3, switch)
             if name == "q,v":
                 fetched = rows_fetched(llm.engine.runner.model, n, modules)
             floors[name] = adapter_bytes(llm.engine)

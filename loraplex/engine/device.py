@@ -260,8 +260,14 @@ class Linear:
 
     def fetches_shrink_rows(self, rows: int) -> bool:
         """Whether the product of a 2-D input of `rows` rows, making its LoRA call in its own
-        native call, takes a `fetch` of that call's A rows alone (cpu_lora.CpuLinearF32)."""
+        native call, may take a `fetch` of that call's A rows alone (cpu_lora.CpuLinearF32)."""
         return self._decode_native(rows) and self._native.fetches_shrinks
+
+    @property
+    def shrinks_first(self) -> bool:
+        """Whether its steps fetch the A rows alone until timed (fetch_placement.py), where it
+        can fetch either."""
+        return self._native is not None and self._native.shrinks_first
 
     def _decode_native(self, rows: int) -> bool:
         """Whether a decode-sized product of `rows` rows goes through the native projection."""

@@ -24,6 +24,7 @@ from loraplex.engine.adapters.lora_batch import (
     TorchLoRA,
 )
 from loraplex.engine.device import Linear
+from loraplex.engine.fetch_placement import AHEAD, ALL, SHRINKS, Ways
 from loraplex.kernels import cpu_lora
 
 StepLoRA = TorchLoRA | KernelLoRA  # a step's LoRA metadata (lora_batch.build_lora_batch)
@@ -55,80 +56,130 @@ class LayerLoRA:
 
 
 def projection_step(
-    lora: StepLoRA, layer: int, modules: Modules, rows: int, projection: Linear
+    lora: StepLoRA, layer: int, modules: Modules, rows: int, projection: Linear, shrinks: bool
 ) -> ProjectionStep:
     """The step of the projection of `modules` in `layer` on a 2-D input of `rows` rows: the
-    adapter rows brought into cache during the projection where it fetches (bfloat16 on
-    AVX512-BF16 without AMX, float32 on Zen 4 and 5; float32 on Intel with AVX512-FP16, the A
-    rows of the LoRA call it makes itself), and the LoRA call made in its native call where it
+    adapter rows brought into cache during the projection where it fetches (own_fetch; the A
+    rows alone with `shrinks`, where it can), and the LoRA call made in its native call where it
     takes it."""
     plan = lora.plan(layer, modules)
     if plan is None:
         return NO_LORA
     fused = plan.fused if plan.fused is not None and projection.native_rows(rows) else None
-    own = own_fetch(projection, rows, fused is not None)
+    own = own_fetch(projection, rows, fused is not None, shrinks)
     fetch = None
     if own is not None:
         fetch = lora.fetch(layer, modules, projection.in_features, shrinks_only=own)
     return ProjectionStep(plan, fetch, fused)
 
 
-def own_fetch(projection: Linear, rows: int, fused: bool) -> bool | None:
-    """Which of its LoRA call's rows the projection brings into cache on `rows` rows: all
-    (False: not the shrinks' alone), the A rows alone where it makes the call itself (`fused`)
-    and fetches those alone (True), or none (None)."""
+def own_fetch(projection: Linear, rows: int, fused: bool, shrinks: bool) -> bool | None:
+    """Which of its LoRA call's rows the projection brings into cache on `rows` rows: the A rows
+    alone (True), with `shrinks` where it makes the call itself (`fused`) and can fetch those
+    alone, or where it can fetch nothing else; else all of them where it fetches (False: not the
+    shrinks' alone), or none (None)."""
+    alone = fused and projection.fetches_shrink_rows(rows)
+    if alone and (shrinks or not projection.fetches_rows(rows)):
+        return True
     if projection.fetches_rows(rows):
         return False
-    if fused and projection.fetches_shrink_rows(rows):
-        return True
     return None
 
 
 @dataclass
 class BatchSteps:
     """A batch's LoRA steps (CausalLM._lora_steps), kept while its LoRA metadata (`lora`, None
-    for a batch without adapters) is unchanged: a step a layer (`layers`, made at the first use
-    by `make_layers`, with whether cpu/layers.c can make every LoRA call of theirs) or, where
-    each projection's LoRA is the same in every layer but for where its tables are, `strided`
-    for all of them; and, once asked, them as cpu/layers.c takes them, by fetch placement."""
+    for a batch without adapters) is unchanged, for each content its projections may fetch
+    (`contents`, ALL or SHRINKS, the CPU's first): a step a layer (`layers_for`, made at the first
+    use by `make_layers`, with whether cpu/layers.c can make every LoRA call of theirs) or, where
+    each projection's LoRA is the same in every layer but for where its tables are, strided steps
+    for all of them (`make_strided`); and, once asked, them as cpu/layers.c takes them, for each
+    way a step may fetch (`ways`, fetch_placement.py)."""
 
     lora: StepLoRA | None
-    make_layers: Callable[[], tuple[list[LayerLoRA], bool]]
-    strided: StridedSteps | None = None
-    _calls: dict[bool, tuple[ctypes.Array | cpu_lora.StridedLoRA, list]] = field(
+    make_layers: Callable[[bool], tuple[list[LayerLoRA], bool]]  # (shrinks) -> ...
+    make_strided: Callable[[bool], StridedSteps | None] = lambda shrinks: None
+    contents: Ways = (ALL,)
+    # the content to make first (the way the step before took), whose steps tell what holds for
+    # every content (native, ways, key): a batch changing at every step makes one content alone
+    # until the ways are timed anew
+    likely: bool | None = None
+    _layers: dict[bool, tuple[list[LayerLoRA], bool]] = field(default_factory=dict)
+    _strided: dict[bool, StridedSteps | None] = field(default_factory=dict)
+    _calls: dict[str, tuple[ctypes.Array | cpu_lora.StridedLoRA, list]] = field(
         default_factory=dict
     )
 
+    def shrinks(self, way: str) -> bool:
+        """Whether the projections fetch their A rows alone in a step of `way`."""
+        return (way if way != AHEAD else self.contents[0]) == SHRINKS
+
+    def layers_for(self, way: str) -> list[LayerLoRA]:
+        return self._layers_of(self.shrinks(way))[0]
+
+    def strided_for(self, way: str) -> StridedSteps | None:
+        return self._strided_of(self.shrinks(way))
+
+    def _layers_of(self, shrinks: bool) -> tuple[list[LayerLoRA], bool]:
+        if shrinks not in self._layers:
+            self._layers[shrinks] = self.make_layers(shrinks)
+        return self._layers[shrinks]
+
+    def _strided_of(self, shrinks: bool) -> StridedSteps | None:
+        if shrinks not in self._strided:
+            self._strided[shrinks] = self.make_strided(shrinks)
+        return self._strided[shrinks]
+
+    @property
+    def _sample(self) -> bool:
+        """The content whose steps are looked at for what holds for every content."""
+        if self.likely is not None and len(self.contents) > 1:
+            return self.likely
+        return self.contents[0] == SHRINKS
+
     @functools.cached_property
-    def _layers(self) -> tuple[list[LayerLoRA], bool]:
-        return self.make_layers()
-
-    @property
-    def layers(self) -> list[LayerLoRA]:
-        return self._layers[0]
-
-    @property
     def native(self) -> bool:
         """Whether cpu/layers.c can make every LoRA call of the batch."""
-        return self.strided is not None or self._layers[1]
+        return self._strided_of(self._sample) is not None or self._layers_of(self._sample)[1]
 
-    @property
-    def fetches_ahead(self) -> bool:
-        """Whether each layer's gate_up may fetch the next layer's q,k,v rows."""
-        if self.strided is not None:
-            return self.strided.ahead is not None
-        return self.layers[0].ahead is not None
+    @functools.cached_property
+    def ways(self) -> Ways:
+        """The ways a step of the batch may fetch, the one it took before they were timed first:
+        AHEAD where each layer's gate_up may fetch the next layer's q,k,v rows, and the
+        contents."""
+        strided = self._strided_of(self._sample)
+        if strided is not None:
+            ahead = strided.ahead is not None
+        else:
+            ahead = self._layers_of(self._sample)[0][0].ahead is not None
+        first, *rest = self.contents
+        if not ahead:
+            return self.contents
+        return (first, AHEAD, *rest) if first == SHRINKS else (AHEAD, first, *rest)
 
-    def native_calls(self, fetch_ahead: bool) -> ctypes.Array | cpu_lora.StridedLoRA | None:
-        """The steps as cpu/layers.c takes them (None without adapters)."""
+    @functools.cached_property
+    def key(self) -> tuple:
+        """What the way a step fetches is timed apart for (fetch_placement.py): the ways and
+        which of the first layer's projections have a LoRA call."""
+        strided = self._strided_of(self._sample)
+        if strided is not None:
+            calls = tuple(call.call is not None for call, _ in strided.projections)
+        else:
+            step = self._layers_of(self._sample)[0][0]
+            calls = tuple(p.plan is not None for p in (step.qkv, step.o, step.gate_up, step.down))
+        return self.ways, calls
+
+    def native_calls(self, way: str) -> ctypes.Array | cpu_lora.StridedLoRA | None:
+        """The steps as cpu/layers.c takes them in a step of `way` (None without adapters)."""
         if self.lora is None:
             return None
-        if fetch_ahead not in self._calls:
-            if self.strided is not None:
-                self._calls[fetch_ahead] = (self.strided.native(fetch_ahead), [])
+        if way not in self._calls:
+            strided = self.strided_for(way)
+            if strided is not None:
+                self._calls[way] = (strided.native(way == AHEAD), [])
             else:
-                self._calls[fetch_ahead] = _native_lora(self.layers, fetch_ahead)
-        return self._calls[fetch_ahead][0]
+                self._calls[way] = _native_lora(self.layers_for(way), way == AHEAD)
+        return self._calls[way][0]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
 from loraplex.engine.device import Linear, choose_ops
-from loraplex.engine.fetch_placement import FetchPlacement
+from loraplex.engine.fetch_placement import AHEAD, ALL, SHRINKS, FetchPlacement, Ways
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.kv_cache import KVCacheManager
 from loraplex.engine.lora_steps import (
@@ -120,6 +120,7 @@ class CausalLM:
         )
         self.fetch_placement = FetchPlacement()
         self._steps: BatchSteps | None = None  # the last batch's LoRA steps (_lora_steps)
+        self._likely_shrinks: bool | None = None  # the last step's way fetched A rows alone
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._ops is not None:
@@ -147,19 +148,23 @@ class CausalLM:
         hidden = self.embed[batch.input_ids]  # [num_tokens, hidden]
         x = self._norm(hidden, self.layers[0].input_norm)
         steps = self._lora_steps(batch, x)
-        # where gate_up may fetch the next layer's q,k,v rows, whether it does or each q,k,v
-        # projection fetches its own is timed (fetch_placement.py)
-        timed = steps.fetches_ahead
-        fetch_ahead = not timed or self.fetch_placement.choose()
+        # where a step may fetch its LoRA rows more than one way, which is timed
+        # (fetch_placement.py)
+        ways = steps.ways
+        way = ways[0]
+        if len(ways) > 1:
+            way = self.fetch_placement.choose(steps.key, ways)
+            self._likely_shrinks = steps.shrinks(way)
         if self._takes_fused(batch, x.shape[0], steps):
-            lora = steps.native_calls(fetch_ahead)
-            mlp = self._fused_layers(batch, kv, x, hidden, lora)
+            mlp = self._fused_layers(batch, kv, x, hidden, steps.native_calls(way))
         else:
-            hidden, mlp = self._layer_by_layer(batch, kv, x, hidden, steps.layers, fetch_ahead)
+            layers = steps.layers_for(way)
+            hidden, mlp = self._layer_by_layer(batch, kv, x, hidden, layers, way == AHEAD)
         rows = batch.logits_indices  # the last add only for the rows that sample
         out = self._norm(hidden[rows] + mlp[rows], self.final_norm)
-        if timed:
-            self.fetch_placement.record(fetch_ahead, x.shape[0], time.perf_counter() - started)
+        if len(ways) > 1:
+            seconds = time.perf_counter() - started
+            self.fetch_placement.record(steps.key, ways, way, x.shape[0], seconds)
         return out
 
     def _layer_by_layer(
@@ -264,19 +269,31 @@ class CausalLM:
             return self._no_lora
         if self._steps is not None and self._steps.lora is lora:
             return self._steps
-        strided = self._strided_steps(lora, rows, x.dtype)
         layers = functools.partial(self._layer_steps, lora, rows, x.dtype)
-        self._steps = BatchSteps(lora, layers, strided)
+        strided = functools.partial(self._strided_steps, lora, rows, x.dtype)
+        contents = self._fetch_contents(rows)
+        self._steps = BatchSteps(lora, layers, strided, contents, self._likely_shrinks)
         return self._steps
 
+    def _fetch_contents(self, rows: int) -> Ways:
+        """What a step of `rows` rows may have its projections fetch of their own LoRA calls'
+        rows, the CPU's choice first: all of them and the A rows alone (fetch_placement.py) where
+        the native projections can fetch either (float32 on AMD's and on Intel's with
+        AVX512-FP16, decode-sized), else their one way (ALL stands for it)."""
+        qkv = self.layers[0].qkv
+        if not (qkv.fetches_rows(rows) and qkv.fetches_shrink_rows(rows)):
+            return (ALL,)
+        return (SHRINKS, ALL) if qkv.shrinks_first else (ALL, SHRINKS)
+
     def _layer_steps(
-        self, lora: StepLoRA, rows: int, dtype: torch.dtype
+        self, lora: StepLoRA, rows: int, dtype: torch.dtype, shrinks: bool
     ) -> tuple[list[LayerLoRA], bool]:
-        """Each layer's projection steps for a batch of `rows` rows, and whether cpu/layers.c
-        can make all their LoRA calls."""
+        """Each layer's projection steps for a batch of `rows` rows (fetching their A rows alone
+        with `shrinks`, where they can), and whether cpu/layers.c can make all their LoRA
+        calls."""
         projections = [
             tuple(
-                projection_step(lora, index, modules, rows, projection)
+                projection_step(lora, index, modules, rows, projection, shrinks)
                 for modules, projection in zip(self._modules, layer.projections, strict=True)
             )
             for index, layer in enumerate(self.layers)
@@ -290,11 +307,13 @@ class CausalLM:
             steps.append(LayerLoRA(qkv, o, gate_up, down, ahead))
         return steps, self._decoder is not None and self._native_steps(steps, rows, dtype)
 
-    def _strided_steps(self, lora: StepLoRA, rows: int, dtype: torch.dtype) -> StridedSteps | None:
+    def _strided_steps(
+        self, lora: StepLoRA, rows: int, dtype: torch.dtype, shrinks: bool
+    ) -> StridedSteps | None:
         """The batch's LoRA for every layer at once, where each projection's is one native call
         in it, the same in every layer but for where its tables are (TorchLoRA.layer_call): made
-        without a step a layer, for cpu/layers.c; None where it is not that, or the layers take
-        no native call."""
+        without a step a layer, for cpu/layers.c (fetching the A rows alone with `shrinks`, where
+        they can); None where it is not that, or the layers take no native call."""
         if self._decoder is None or not isinstance(lora, TorchLoRA):
             return None
         first, parts = self.layers[0], []
@@ -307,7 +326,7 @@ class CausalLM:
                 if not projection.native_rows(rows):
                     return None
                 layer_call.call.check_fits(rows, projection.out_features, dtype, dtype)
-                own = own_fetch(projection, rows, fused=True)
+                own = own_fetch(projection, rows, True, shrinks)
                 if own is not None:
                     fetch = lora.layer_fetch(modules, projection.in_features, shrinks_only=own)
             parts.append((layer_call, fetch))
@@ -342,7 +361,7 @@ class CausalLM:
     @functools.cached_property
     def _no_lora(self) -> BatchSteps:
         no_lora = LayerLoRA(NO_LORA, NO_LORA, NO_LORA, NO_LORA, None)
-        return BatchSteps(None, lambda: ([no_lora] * len(self.layers), True))
+        return BatchSteps(None, lambda shrinks: ([no_lora] * len(self.layers), True))
 
     def _attention(
         self,

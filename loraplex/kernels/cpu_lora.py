@@ -600,13 +600,14 @@ class LayerFetch:
 class _NativeLinear(_PerDtype):
     """A dense projection of the library's (y = x W^T (+ b) with W packed once) in one dtype,
     where it runs natively: `fetches`, whether it takes memory ranges to bring into cache
-    meanwhile; `fetches_shrinks`, whether it takes only those of the A rows of the LoRA call it
-    makes itself (whose shrinks go between its items) where it takes no others; `any_rows`,
-    whether it is the faster projection for any number of rows, not for decode steps only.
-    Wherever it runs, it also makes the LoRA call after it in the same native call."""
+    meanwhile; `fetches_shrinks`, whether it may take only those of the A rows of the LoRA call it
+    makes itself (whose shrinks go between its items), and `shrinks_first`, whether it does
+    until the engine has timed both (fetch_placement.py); `any_rows`, whether it is the faster
+    projection for any number of rows, not for decode steps only. Wherever it runs, it also
+    makes the LoRA call after it in the same native call."""
 
     dtype: torch.dtype
-    fetches = fetches_shrinks = any_rows = False
+    fetches = fetches_shrinks = shrinks_first = any_rows = False
 
     def __init__(self, lib: ctypes.CDLL, native: bool) -> None:
         argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
@@ -687,8 +688,10 @@ class CpuLinearF32(_NativeLinear):
     AVX-512 or AVX2 and FMA, where they were measured faster than oneDNN's
     (benchmarks/prompt_projection.py --dtype float32, SmolLM2's projections over 30 layers at 32
     rows):
-    - on AMD's (amd), where it fetches the LoRA call's rows meanwhile, but on Zen 3 only the A
-      rows of the call it makes itself (fetches_shrinks, as on Intel with AVX512-FP16 below).
+    - on AMD's (amd), where it fetches the LoRA call's rows meanwhile: all of them, or only the A
+      rows of the call it makes itself (fetches_shrinks), as the engine times them step by step
+      (fetch_placement.py), the A rows alone first on Zen 3 (shrinks_first, as on Intel with
+      AVX512-FP16 below) from the figures here.
       Zen 3 (a 2-core EPYC, family 25, model 1; the AVX2 build): 0.70x oneDNN's time at 32 rows,
       0.80x at 64; whole decode steps (benchmarks/projection_ab.py, medians of 30 rounds) of
       170.8 against oneDNN's 232.1 ms on 32 q,v adapters and 202.5 against 270.1 ms on 32
@@ -707,9 +710,9 @@ class CpuLinearF32(_NativeLinear):
       of 42.27 against oneDNN's 53.66 ms on 32 q,v adapters and 50.64 against 62.16 ms on 32
       all-module ones, with the fetch; without it 43.03 and 51.75 ms, fetching the A rows alone
       43.28 and 51.45 ms;
-    - on Intel with AVX512-FP16 (intel_fp16; a 2-core Xeon, family 6, model 207): 0.78x with
-      tiles of 4 by 96, 0.68x at 32 rows and 0.74x at 64 with 8 by 48 (level at 256); it fetches
-      only the A rows of the LoRA call it makes itself there (fetches_shrinks), spread over the
+    - on Intel with AVX512-FP16 (intel_fp16; a 2-core Xeon, family 6, model 207): 0.78x with tiles
+      of 4 by 96, 0.68x at 32 rows and 0.74x at 64 with 8 by 48 (level at 256); it fetches only the
+      A rows of the LoRA call it makes itself there until timed (shrinks_first), spread over the
       whole projection, ahead of the shrinks (in its second half when the figures here were taken;
       now at the fetch's own pace, two tokens behind: linear_f32.c; against the old pace on such a
       Xeon, benchmarks/kernel_ab.py --dtype float32 --against e401e57, q,v -2.14 and -0.11 ms,
@@ -755,8 +758,8 @@ class CpuLinearF32(_NativeLinear):
     def __init__(self, lib: ctypes.CDLL, any_cpu: bool = False) -> None:
         native = bool(lib.linear_native_f32()) and (any_cpu or amd() or intel_avx512())
         super().__init__(lib, native)
-        self.fetches = native and (any_cpu or (amd() and not zen3()))
-        self.fetches_shrinks = native and not self.fetches and (intel_fp16() or zen3())
+        self.fetches = self.fetches_shrinks = native and (any_cpu or amd() or intel_fp16())
+        self.shrinks_first = self.fetches and (intel_fp16() or zen3())
         self.any_rows = native and (zen2() or zen5())
 
 

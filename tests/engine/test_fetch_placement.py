@@ -1,7 +1,8 @@
-"""The choice of where a decode step fetches its q,k,v LoRA rows follows the steps' timings: the
-way that took less time is kept, pairs spoilt by a change of batch size do not count, and the
-choice is measured again after a while. (The fetch changes no result: the engine's outputs are
-checked against PEFT elsewhere with both ways alternating.)"""
+"""The choice of how a decode step fetches its LoRA rows follows the steps' timings: the way that
+took less time is kept, apart for each key (a batch's ways and modules), rounds spoilt by a change
+of batch size do not count, the choice is measured again after a while, and a fixed way is kept.
+(The fetch changes no result: the engine's outputs are checked against PEFT elsewhere, and
+tests/engine/test_fused_layers.py gives the same bits under each way.)"""
 
 from __future__ import annotations
 
@@ -9,50 +10,73 @@ import random
 
 import pytest
 
-from loraplex.engine.fetch_placement import FetchPlacement
+from loraplex.engine.fetch_placement import AHEAD, ALL, SHRINKS, FetchPlacement
+
+TWO = (AHEAD, ALL)
+THREE = (SHRINKS, AHEAD, ALL)
 
 
-def drive(placement: FetchPlacement, sizes: list[int], seconds) -> list[bool]:
-    """Steps of `sizes` tokens, each taking seconds(ahead, tokens) -> the choice of each."""
+def drive(placement: FetchPlacement, sizes: list[int], seconds, ways=TWO, key="q,v") -> list:
+    """Steps of `sizes` tokens, each taking seconds(way, tokens) -> the way each took."""
     chosen = []
     for tokens in sizes:
-        ahead = placement.choose()
-        chosen.append(ahead)
-        placement.record(ahead, tokens, seconds(ahead, tokens))
+        way = placement.choose(key, ways)
+        chosen.append(way)
+        placement.record(key, ways, way, tokens, seconds(way, tokens))
     return chosen
 
 
-def noisy(ahead_ms: float, own_ms: float, seed: int = 0):
+def noisy(ms: dict[str, float], seed: int = 0):
     rng = random.Random(seed)
-    return lambda ahead, tokens: ((ahead_ms if ahead else own_ms) + rng.gauss(0, 0.3)) / 1e3
+    return lambda way, tokens: (ms[way] + rng.gauss(0, 0.3)) / 1e3
 
 
-def test_the_faster_way_is_kept_then_measured_again():
-    for ahead_ms, own_ms, expected in ((35.5, 35.0, False), (35.0, 35.5, True)):
-        placement = FetchPlacement(pairs=16, keep=50)
-        measuring = drive(placement, [32] * 32, noisy(ahead_ms, own_ms))
-        assert measuring.count(True) == measuring.count(False) == 16  # one of each a pair
-        assert drive(placement, [32] * 50, noisy(ahead_ms, own_ms)) == [expected] * 50
-        again = drive(placement, [32] * 4, noisy(ahead_ms, own_ms))
-        assert again.count(True) == again.count(False) == 2
+@pytest.mark.parametrize("ways", [TWO, THREE])
+def test_the_fastest_way_is_kept_then_measured_again(ways):
+    for fastest in ways:
+        ms = {way: 35.0 if way == fastest else 35.5 for way in ways}
+        placement = FetchPlacement(rounds=16, keep=50)
+        assert placement.choose("q,v", ways) == ways[0]  # the CPU's way until measured
+        measuring = drive(placement, [32] * 16 * len(ways), noisy(ms), ways)
+        assert all(measuring.count(way) == 16 for way in ways)  # one of each a round
+        assert drive(placement, [32] * 50, noisy(ms), ways) == [fastest] * 50
+        assert placement.chosen("q,v", ways) == fastest
+        again = drive(placement, [32] * len(ways), noisy(ms), ways)
+        assert sorted(again) == sorted(ways)
 
 
-def test_a_pair_whose_batch_changed_size_does_not_count():
-    placement = FetchPlacement(pairs=4, keep=10)
+def test_each_key_keeps_its_own_way():
+    placement = FetchPlacement(rounds=8, keep=50)
+    qv, every = ("q,v", (SHRINKS, ALL)), ("all", (SHRINKS, ALL))
+    drive(placement, [32] * 16, noisy({SHRINKS: 30.0, ALL: 31.0}), qv[1], qv[0])
+    drive(placement, [32] * 16, noisy({SHRINKS: 51.0, ALL: 50.0}), every[1], every[0])
+    assert placement.chosen(*qv) == SHRINKS and placement.chosen(*every) == ALL
+    # one's steps between the other's measurement's do not spoil it
+    placement = FetchPlacement(rounds=8, keep=50)
+    for _ in range(16):
+        drive(placement, [32], noisy({SHRINKS: 30.0, ALL: 31.0}), qv[1], qv[0])
+        drive(placement, [20], noisy({SHRINKS: 51.0, ALL: 50.0}), every[1], every[0])
+    assert placement.chosen(*qv) == SHRINKS and placement.chosen(*every) == ALL
+
+
+def test_a_round_whose_batch_changed_size_does_not_count():
+    placement = FetchPlacement(rounds=4, keep=10)
     # each step's batch one token smaller than the last, the ahead steps 100x faster: counted,
     # these would settle on fetching ahead
-    drive(placement, list(range(64, 32, -1)), lambda ahead, tokens: 0.001 if ahead else 0.1)
-    # 4 pairs of one size, where fetching ahead is the slower, decide
-    drive(placement, [32] * 8, lambda ahead, tokens: 0.036 if ahead else 0.035)
-    assert drive(placement, [32] * 10, noisy(35.0, 35.0)) == [False] * 10
+    drive(placement, list(range(64, 32, -1)), lambda way, tokens: 0.001 if way == AHEAD else 0.1)
+    # 4 rounds of one size, where fetching ahead is the slower, decide
+    drive(placement, [32] * 8, lambda way, tokens: 0.036 if way == AHEAD else 0.035)
+    assert drive(placement, [32] * 10, noisy({AHEAD: 35.0, ALL: 35.0})) == [ALL] * 10
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_a_fixed_way_is_kept_whatever_the_timings(ahead):
-    placement = FetchPlacement(pairs=4, keep=10)
-    placement.fix(ahead)
+@pytest.mark.parametrize("fixed", [AHEAD, ALL, SHRINKS])
+def test_a_fixed_way_is_kept_whatever_the_timings(fixed):
+    placement = FetchPlacement(rounds=4, keep=10)
+    placement.fix(fixed)
 
-    def slower(way: bool, tokens: int) -> float:  # the fixed way: measured, it would lose
-        return 0.1 if way == ahead else 0.001
+    def slower(way: str, tokens: int) -> float:  # the fixed way: measured, it would lose
+        return 0.1 if way == fixed else 0.001
 
-    assert drive(placement, [32] * 40, slower) == [ahead] * 40
+    assert drive(placement, [32] * 40, slower, THREE) == [fixed] * 40
+    # where a step cannot fetch that way, its first
+    assert drive(placement, [32] * 4, slower, (ALL,)) == [ALL] * 4

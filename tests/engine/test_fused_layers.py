@@ -12,6 +12,7 @@ import pytest
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.engine.adapters.peft_format import MODULES, random_peft_adapter
+from loraplex.engine.fetch_placement import AHEAD, ALL, SHRINKS
 from loraplex.kernels import cpu_lora
 from tests.factories import build_adapter, make_llm
 
@@ -97,15 +98,21 @@ ADAPTERS = [  # rank, modules: q,v alone, attention, MLP alone, all seven, one m
 ]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+# each dtype with each way its steps may fetch (fetch_placement.py): the A rows alone in float32
+DTYPE_WAYS = [
+    ("bfloat16", AHEAD), ("bfloat16", ALL), ("float32", AHEAD), ("float32", ALL),
+    ("float32", SHRINKS),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "way"), DTYPE_WAYS)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("fetch_ahead", [True, False])
 def test_fused_layers_with_adapters_give_the_bits_of_the_calls_one_by_one(
-    tiny_model_dirs, tmp_path, family, fetch_ahead, dtype
+    tiny_model_dirs, tmp_path, family, way, dtype
 ):
     llm, counts = fused_llm(tiny_model_dirs[family], dtype)
     engine = llm.engine
-    engine.runner.model.fetch_placement.fix(fetch_ahead)
+    engine.runner.model.fetch_placement.fix(way)
     config = engine.model_config
     loras = [
         LoRARequest(f"a{i}", str(random_peft_adapter(tmp_path / f"a{i}", config, r, m, i, 0.2)))
@@ -133,15 +140,14 @@ def assert_same_bits(llm, counts: dict, adapters: list, changed_at_least: int) -
 ONE_SHAPE = {"q,v": (4, ("q_proj", "v_proj")), "all seven": (2, MODULES), "MLP": (8, MODULES[4:])}
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(("dtype", "way"), DTYPE_WAYS)
 @pytest.mark.parametrize("shape", ONE_SHAPE)
-@pytest.mark.parametrize("fetch_ahead", [True, False])
 def test_adapters_of_one_shape_are_bound_once_for_every_layer_with_the_same_bits(
-    tiny_model_dirs, tmp_path, shape, fetch_ahead, dtype
+    tiny_model_dirs, tmp_path, shape, way, dtype
 ):
     llm, counts = fused_llm(tiny_model_dirs["llama"], dtype)
     engine = llm.engine
-    engine.runner.model.fetch_placement.fix(fetch_ahead)
+    engine.runner.model.fetch_placement.fix(way)
     rank, modules = ONE_SHAPE[shape]
     loras = [
         LoRARequest(f"a{i}", str(random_peft_adapter(tmp_path / f"a{i}", engine.model_config,
