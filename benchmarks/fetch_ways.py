@@ -2,7 +2,7 @@
 and the way its own timer keeps.
 
     python benchmarks/fetch_ways.py [--modules qv|all] [--dtype auto|float32|bfloat16]
-                                    [--rounds 30] [--timings 3]
+                                    [--rounds 30] [--timings 3] [--timer-rounds N]
 
 One engine (SmolLM2), 32 sequences decoding together on 32 distinct rank-16 adapters on the
 modules asked (64-token prompts). Each round takes, for each way the batch's steps may fetch
@@ -10,8 +10,9 @@ modules asked (64-token prompts). Each round takes, for each way the batch's ste
 its A rows alone; as the CPU, the dtype and the modules allow), a step fetching that way and the
 same batch with LoRA skipped, the ways' order turning round by round; it prints each way's
 median step and its median extra over base. Then the engine's timer measures the ways afresh
-`--timings` times, as it does while serving (fetch_placement.ROUNDS rounds each), and prints the
-way each measurement kept: where the ways lie within the noise, they may differ.
+`--timings` times, as it does while serving (fetch_placement.ROUNDS rounds each, or
+`--timer-rounds`), and prints the way each measurement kept: where the ways lie within the noise,
+they may differ.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--timings", type=int, default=3)
+    parser.add_argument("--timer-rounds", type=int, help="rounds a timing takes (default ROUNDS)")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -48,7 +50,8 @@ def main() -> None:
         loras = load_random_adapters(llm, modules, 32, Path(tmp))
         model = engine.runner.model
         placement = model.fetch_placement
-        steps = 3 * (2 * args.rounds + args.timings * (ROUNDS + 1)) + 10  # 3 ways at most
+        timer_rounds = args.timer_rounds or ROUNDS
+        steps = 3 * (2 * args.rounds + args.timings * (timer_rounds + 1)) + 10  # 3 ways at most
         add_decoding(engine, make_prompts(llm.tokenizer, 32, 64), loras, steps + 20)
         started: set[str] = set()
         while len(started) < 32:  # past the prefills
@@ -75,9 +78,9 @@ def main() -> None:
             )
         kept = []
         for _ in range(args.timings):
-            model.fetch_placement = timer = FetchPlacement()
+            model.fetch_placement = timer = FetchPlacement(rounds=timer_rounds)
             switch.on = True
-            for _ in range(len(ways) * (ROUNDS + 1)):
+            for _ in range(len(ways) * (timer_rounds + 1)):
                 engine.step()
             kept.append(timer.chosen(model._steps.key, ways))
         print(f"  the engine's timer kept, {args.timings} measurements afresh: {', '.join(kept)}")

@@ -1,16 +1,22 @@
 """The choice of how a decode step fetches its LoRA rows follows the steps' timings: the way that
 took less time is kept, apart for each key (a batch's ways and modules), rounds spoilt by a change
 of batch size do not count, the choice is measured again after a while, and a fixed way is kept.
-(The fetch changes no result: the engine's outputs are checked against PEFT elsewhere, and
+An engine decoding on adapters keeps the way its steps were faster in. (The fetch changes no
+result: the engine's outputs are checked against PEFT elsewhere, and
 tests/engine/test_fused_layers.py gives the same bits under each way.)"""
 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
+from loraplex import LoRARequest, SamplingParams
+from loraplex.engine.adapters.peft_format import MODULES, random_peft_adapter
 from loraplex.engine.fetch_placement import AHEAD, ALL, SHRINKS, FetchPlacement
+from loraplex.engine.lora_steps import BatchSteps
+from tests.factories import make_llm
 
 TWO = (AHEAD, ALL)
 THREE = (SHRINKS, AHEAD, ALL)
@@ -80,3 +86,44 @@ def test_a_fixed_way_is_kept_whatever_the_timings(fixed):
     assert drive(placement, [32] * 40, slower, THREE) == [fixed] * 40
     # where a step cannot fetch that way, its first
     assert drive(placement, [32] * 4, slower, (ALL,)) == [ALL] * 4
+
+
+@pytest.mark.parametrize("modules", [("q_proj", "v_proj"), MODULES])
+def test_the_engine_keeps_the_way_its_steps_took_least_time_in(
+    tiny_model_dirs, tmp_path, monkeypatch, modules
+):
+    """An engine decoding on adapters times its steps' ways and keeps the one whose steps were
+    faster: here every way but one made 20 ms slower a step, each in turn."""
+    llm = make_llm(tiny_model_dirs["llama"], max_num_batched_tokens=64)
+    model = llm.engine.runner.model
+    config = llm.engine.model_config
+    loras = [
+        LoRARequest(f"a{i}", str(random_peft_adapter(tmp_path / f"a{i}", config, 8, modules, i)))
+        for i in range(4)
+    ]
+    prompts = ["the river city", "tell me", "numbers: one two", "a story of light"]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    native_calls = BatchSteps.native_calls
+    layers_for = BatchSteps.layers_for
+    favoured = None
+
+    def slowed(method):
+        def call(steps, way):
+            if steps.lora is not None and way != favoured:
+                time.sleep(0.02)
+            return method(steps, way)
+
+        return call
+
+    monkeypatch.setattr(BatchSteps, "native_calls", slowed(native_calls))
+    monkeypatch.setattr(BatchSteps, "layers_for", slowed(layers_for))
+    first = llm.generate(prompts, params, adapters=loras)  # and the batch's ways known
+    steps = model._steps
+    if len(steps.ways) == 1:
+        pytest.skip(f"one way to fetch on this CPU ({steps.ways[0]})")
+    for favoured in reversed(steps.ways):  # the CPU's first way last
+        model.fetch_placement = FetchPlacement(rounds=4, keep=1000)
+        outputs = llm.generate(prompts, params, adapters=loras)
+        assert model.fetch_placement.chosen(model._steps.key, model._steps.ways) == favoured
+        # the way changes no token
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in first]
