@@ -446,9 +446,9 @@ def _project(
     """projection(x), plus the LoRA deltas of its step's plan for the tokens whose adapter
     changes them: in the projection's own native call where it takes the LoRA call, else after
     it; the adapter rows brought into cache during the projection where it fetches (bfloat16 on
-    AVX512-BF16 without AMX, float32 on Zen 4 and 5), unless an earlier projection did
-    (`fetched`). A projection with no LoRA call of its own fetches `ahead` (where it fetches): a
-    later one's rows."""
+    AVX512-BF16 without AMX, float32 on AMD's and on Intel's with AVX512-FP16; the step's
+    fetch_placement.py way), unless an earlier projection did (`fetched`). A projection with no
+    LoRA call of its own fetches `ahead` (where it fetches): a later one's rows."""
     if step.plan is None:
         return projection(x, ahead)
     fetch = None if fetched else step.fetch
