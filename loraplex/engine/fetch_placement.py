@@ -19,6 +19,9 @@ in bfloat16, extra step time over base, alternated rounds in one process: on a 2
 30.49 and 32.78 against 42.89 and 36.15 ms all-module, where a faster one had them level on q,v
 and SHRINKS 3.8 ms higher all-module; on Zen 2 SHRINKS lower on q,v (5.93 against 6.92 ms, 6.55
 against 8.42) and higher all-module (28.3 against 25.9 ms); on Zen 5 the same split by 0.4-0.6 ms.
+On a fourth Zen 3 host, steps of every way one after another as while serving (scratch, 60
+rounds): level on q,v, AHEAD 2 ms behind; all-module SHRINKS 7.7 ms lower (docs/performance.md,
+"Zen 3, the fetch timed").
 
 So the model times them, apart for each set of ways and of projections with LoRA a batch has
 (`key`): consecutive steps with as many tokens make a round, each way taking one step of it
