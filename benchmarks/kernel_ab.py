@@ -256,7 +256,7 @@ def main() -> None:
     base = times["base"]
     print(
         f"{args.dtype}, {n} sequences on {count} adapters ({args.modules}), {args.rounds} rounds; "
-        f"base step median {median(base) * 1e3:.2f} ms; {rows_fetched(model, n, modules)}"
+        f"base step median {median(base) * 1e3:.2f} ms; {rows_fetched(model, n)}"
     )
     for name in names:
         extra = median(a - b for a, b in zip(times[name], base, strict=True))

@@ -228,9 +228,9 @@ def whole_runs(llm, rounds: list[dict], loras, new_tokens: int) -> Workload:
     )  # fmt: skip
 
 
-def rows_fetched(model, rows: int, modules: tuple[str, ...]) -> str:
-    """What brings a decode step's q,k,v adapter rows (a step of `rows` rows, adapters on
-    `modules`) into cache before their LoRA call in this build, as a line to print."""
+def rows_fetched(model, rows: int) -> str:
+    """What brings the q,k,v adapter rows of the model's last batch with LoRA (a step of `rows`
+    rows) into cache before their LoRA call in this build, as a line to print."""
     from loraplex.engine import fetch_placement as fp
 
     qkv = model.layers[0].qkv
@@ -298,7 +298,7 @@ def main() -> None:
             # warm up, and past the engine's first timing of where to fetch q,k,v rows
             decode_steps(llm.engine, prompts, loras, 3 * FETCH_ROUNDS + 3, switch)
             if name == "q,v":
-                fetched = rows_fetched(llm.engine.runner.model, n, modules)
+                fetched = rows_fetched(llm.engine.runner.model, n)
             floors[name] = adapter_bytes(llm.engine)
             runner = llm.engine.runner
             default, settings = lora_batch.GROUP_MIN_TOKENS, runner.settings
