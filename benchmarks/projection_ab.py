@@ -12,8 +12,8 @@ the native projection on whatever CPU this is, its LoRA call made in the project
 call, in turn:
 
 * own: fetching nothing;
-* fetching: fetching all that call's rows meanwhile (as on Zen 4);
-* shrinks: fetching only its A rows (as on Intel with AVX512-FP16).
+* fetching: fetching all that call's rows meanwhile (the fetch placement's ALL way, fixed);
+* shrinks: fetching only its A rows (its SHRINKS way, fixed).
 
 Each round takes, for every way, a step with LoRA and the same batch with LoRA skipped (its base
 step) on the native engine and on the oneDNN one, the engines' order alternating, and prints the
@@ -32,7 +32,8 @@ import torch
 from engine_throughput import make_prompts
 from lora_floor import ALL, QV, LoRASwitch, add_decoding, load_random_adapters, step_pair
 
-WAYS = {"own": (False, False), "fetching": (True, False), "shrinks": (False, True)}
+# each way: whether the native projection fetches, and the way fixed (fetch_placement.py)
+WAYS = {"own": (False, "all"), "fetching": (True, "all"), "shrinks": (True, "shrinks")}
 
 
 def main() -> None:
@@ -75,9 +76,11 @@ def main() -> None:
 
         pairs: dict[str, list[tuple[float, float]]] = {}
         for r in range(args.rounds):
-            for way, (fetches, shrinks) in WAYS.items():
-                native_kernel.fetches, native_kernel.fetches_shrinks = fetches, shrinks
-                native.engine.runner.model._steps = None  # the projections' steps decided anew
+            for way, (fetches, fixed) in WAYS.items():
+                native_kernel.fetches = native_kernel.fetches_shrinks = fetches
+                model = native.engine.runner.model
+                model._steps = None  # the projections' steps decided anew
+                model.fetch_placement.fix(fixed)
                 turns = ((native, f"native, {way}"), (onednn, "oneDNN"))
                 for llm, key in turns if r % 2 == 0 else reversed(turns):
                     pairs.setdefault(key, []).append(step_pair(llm.engine, switch))

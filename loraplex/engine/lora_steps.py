@@ -76,10 +76,8 @@ def projection_step(
 def own_fetch(projection: Linear, rows: int, fused: bool, shrinks: bool) -> bool | None:
     """Which of its LoRA call's rows the projection brings into cache on `rows` rows: the A rows
     alone (True), with `shrinks` where it makes the call itself (`fused`) and can fetch those
-    alone, or where it can fetch nothing else; else all of them where it fetches (False: not the
-    shrinks' alone), or none (None)."""
-    alone = fused and projection.fetches_shrink_rows(rows)
-    if alone and (shrinks or not projection.fetches_rows(rows)):
+    alone; else all of them where it fetches (False: not the shrinks' alone), or none (None)."""
+    if shrinks and fused and projection.fetches_shrink_rows(rows):
         return True
     if projection.fetches_rows(rows):
         return False
