@@ -58,14 +58,15 @@ class FetchPlacement:
 
     def choose(self, key: Hashable, ways: Ways) -> str:
         """The way the next step of `ways` (under `key`) fetches; `record` its time after."""
-        if self.fixed is not None:
-            return self.fixed if self.fixed in ways else ways[0]
-        if len(ways) == 1:
-            return ways[0]
-        return self._timer(key, ways).choose()
+        if self.fixed is None and len(ways) > 1:
+            return self._timer(key, ways).choose()
+        return self.chosen(key, ways)
 
     def chosen(self, key: Hashable, ways: Ways) -> str:
-        """The way kept under `key`, or taken until measured."""
+        """The way kept under `key` (the fixed one where a step can take it), or taken until
+        measured."""
+        if self.fixed is not None:
+            return self.fixed if self.fixed in ways else ways[0]
         timer = self._timers.get(key)
         return timer.chosen if timer is not None else ways[0]
 

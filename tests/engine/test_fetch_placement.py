@@ -84,8 +84,10 @@ def test_a_fixed_way_is_kept_whatever_the_timings(fixed):
         return 0.1 if way == fixed else 0.001
 
     assert drive(placement, [32] * 40, slower, THREE) == [fixed] * 40
+    assert placement.chosen("q,v", THREE) == fixed  # what benchmarks print as the way taken
     # where a step cannot fetch that way, its first
     assert drive(placement, [32] * 4, slower, (ALL,)) == [ALL] * 4
+    assert placement.chosen("q,v", (ALL,)) == ALL
 
 
 @pytest.mark.parametrize("modules", [("q_proj", "v_proj"), MODULES])
