@@ -210,12 +210,72 @@ static inline void token_expand_f32(const LoRACallF32 *call, int64_t t, int64_t 
                b->r, b->fouts[i]);
 }
 
-/* Thread th of nt's share of a float32 call: its part of the tokens split in order by count,
+/* The end of the run of slots (consecutive tokens on one slot) that starts at token t */
+static inline int64_t run_end(const int64_t *slots, int64_t t, int64_t n) {
+    int64_t u = t + 1;
+    while (u < n && slots[u] == slots[t]) u++;
+    return u;
+}
+
+/* Thread th of nt's share of a call's n tokens: *first .. *last, split as evenly as their reads
+ * go, a run of L tokens counting as ceil(L / block): with decode tokens alone, runs of one, that
+ * is the split by count. By count, a step with a prompt chunk beside decode tokens put every
+ * decode token (they come first) on the first thread, each reading its adapter's rows from
+ * memory or L3, while the other took the span's tokens, whose rows stay in L1. Where the split
+ * falls inside a span, each thread reads its rows; a token's arithmetic does not depend on the
+ * thread that takes it.
+ *
+ * bfloat16 (block LORA_BLOCK, the tokens a block's rows are read once for): on a 2-core Zen 4
+ * (family 25, model 17), 30 layers of q,k,v projections, each with its q,v LoRA call and that
+ * call's rows fetched during it, the two builds alternated (scratch, medians of 60): the calls'
+ * extra over the projections alone 2.72 -> 2.22 ms on 95 rows (31 decode tokens on adapters of
+ * their own beside a 64-token prompt span), 5.91 -> 4.70 ms on 256 (28 beside 4 spans), level
+ * on a decode step's 32 (1.54, 1.50 ms). A request arriving every step (benchmarks/mixed_steps.py
+ * --against the split by count, medians of 8 alternated runs): the split by count 1.044x the time
+ * on all-module adapters, 1.020x on q,v ones. In the AMX build, whose tiles take a thread's spans
+ * 16 tokens at a time from its first token, which tokens go through tiles depends on the split
+ * (as it did by count), and the split there was not measured. float32: F32_SHARE_BLOCK. */
+static void share_of(const LoRABinding *b, int64_t th, int64_t nt, int64_t block, int64_t *first,
+                     int64_t *last) {
+    const int64_t n = b->end - b->start, *slots = b->slots;
+    int64_t total = 0;
+    for (int64_t t = 0, u; t < n; t = u) {
+        u = run_end(slots, t, n);
+        total += (u - t + block - 1) / block;
+    }
+    const int64_t from = total * th / nt, to = total * (th + 1) / nt; /* in blocks */
+    *first = *last = n;
+    for (int64_t t = 0, u, done = 0; t < n; t = u) {
+        u = run_end(slots, t, n);
+        const int64_t blocks = (u - t + block - 1) / block;
+        if (*first == n && done + blocks > from) *first = t + (from - done) * block;
+        if (done + blocks > to) {
+            *last = t + (to - done) * block;
+            return;
+        }
+        done += blocks;
+    }
+}
+
+/* A float32 call's tokens are shared as if a span's F32_SHARE_BLOCK tokens read its rows once
+ * (share_of), though each token is a block of its own: a decode token's rows come from memory,
+ * a span's after its first from L1. On a 2-core Zen 3 (family 25, model 1; AVX2), where oneDNN's
+ * projection takes a step with a prompt chunk and the call follows it, a request arriving every
+ * step (a 64-token prompt beside about 31 decode tokens on 32 distinct q,v adapters; scratch
+ * timers around the calls, runs of 120 steps): the calls 14.5 ms a step by count, 9.4-9.9 with
+ * 4, 11.1-11.6 with 8, 13.3-13.8 with 2; alternated with the split by count in one process,
+ * 11.80 against 15.38 ms (medians of 5). */
+#ifndef F32_SHARE_BLOCK
+#define F32_SHARE_BLOCK 4
+#endif
+
+/* Thread th of nt's share of a float32 call: its part of the tokens (share_of, F32_SHARE_BLOCK),
  * each token a block of its own (a call fused with the projection before it, linear_f32.c, finds
  * in cache the rows that projection fetched for the thread's tokens: linear.h, call_ranges) */
 void lora_thread_f32(const LoRACallF32 *call, int64_t th, int64_t nt) {
-    const int64_t n = call->bound->end - call->bound->start;
-    for (int64_t t = n * th / nt; t < n * (th + 1) / nt; t++)
+    int64_t first, last;
+    share_of(call->bound, th, nt, F32_SHARE_BLOCK, &first, &last);
+    for (int64_t t = first; t < last; t++)
         for (int64_t i = 0; i < call->bound->modules; i++) {
             float v[MAX_RANK];
             token_shrink_f32(call, t, i, v);
@@ -569,52 +629,6 @@ static inline int block_at(const LoRABinding *b, int64_t t, int64_t last, int64_
     } while (0);
 #endif
 
-/* The end of the run of slots (consecutive tokens on one slot) that starts at token t */
-static inline int64_t run_end(const int64_t *slots, int64_t t, int64_t n) {
-    int64_t u = t + 1;
-    while (u < n && slots[u] == slots[t]) u++;
-    return u;
-}
-
-/* Thread th of nt's share of a bfloat16 call's n tokens: *first .. *last. The tokens are
- * split as evenly as their blocks go, a run of L tokens counting as its ceil(L / LORA_BLOCK)
- * blocks, each of which reads the run's rows once: with decode tokens alone, runs of one, that
- * is the split by count. By count, a step with a prompt chunk beside decode tokens put every
- * decode token (they come first) on the first thread, each reading its adapter's rows from
- * memory or L3, while the other took the span's tokens, whose rows stay in L1. On a 2-core Zen 4
- * (family 25, model 17), bfloat16, 30 layers of q,k,v projections, each with its q,v LoRA call
- * and that call's rows fetched during it, the two builds alternated (scratch, medians of 60):
- * the calls' extra over the projections alone 2.72 -> 2.22 ms on 95 rows (31 decode tokens on
- * adapters of their own beside a 64-token prompt span), 5.91 -> 4.70 ms on 256 (28 beside 4
- * spans), level on a decode step's 32 (1.54, 1.50 ms). A request arriving every step
- * (benchmarks/mixed_steps.py --against the split by count, medians of 8 alternated runs): the
- * split by count 1.044x the time on all-module adapters, 1.020x on q,v ones. Where the split
- * falls inside a span, each thread reads its rows; the bits do not depend on the blocks, but in
- * the AMX build, whose tiles take a thread's spans 16 tokens at a time from its first token,
- * which tokens go through tiles does (as it did with the split by count), and the split there
- * was not measured. */
-static void share_of(const LoRABinding *b, int64_t th, int64_t nt, int64_t *first,
-                     int64_t *last) {
-    const int64_t n = b->end - b->start, *slots = b->slots;
-    int64_t total = 0;
-    for (int64_t t = 0, u; t < n; t = u) {
-        u = run_end(slots, t, n);
-        total += (u - t + LORA_BLOCK - 1) / LORA_BLOCK;
-    }
-    const int64_t from = total * th / nt, to = total * (th + 1) / nt; /* in blocks */
-    *first = *last = n;
-    for (int64_t t = 0, u, done = 0; t < n; t = u) {
-        u = run_end(slots, t, n);
-        const int64_t blocks = (u - t + LORA_BLOCK - 1) / LORA_BLOCK;
-        if (*first == n && done + blocks > from) *first = t + (from - done) * LORA_BLOCK;
-        if (done + blocks > to) {
-            *last = t + (to - done) * LORA_BLOCK;
-            return;
-        }
-        done += blocks;
-    }
-}
-
 /* The calling thread's buffer, at least `bytes` long; kept for its later calls (a buffer
  * allocated and freed each call, past malloc's mmap threshold, cost the page faults of a fresh
  * mapping every time). NULL if it cannot grow. One a thread, for one use at a time: AMX's spans
@@ -773,7 +787,7 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
 void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
     int64_t first, last;
-    share_of(bound, th, nt, &first, &last);
+    share_of(bound, th, nt, LORA_BLOCK, &first, &last);
     const int64_t *slots = bound->slots;
 #if defined(HAVE_AMX)
     const int64_t x_stride = call->x_stride, y_stride = call->y_stride, fin = call->fin;
@@ -835,7 +849,7 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
 int lora_passes_begin(LoRAPasses *p, const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
     p->call = call, p->call_f32 = NULL;
-    share_of(bound, th, nt, &p->first, &p->last);
+    share_of(bound, th, nt, LORA_BLOCK, &p->first, &p->last);
     p->next = p->first;
     p->blocks = p->shrunk = 0;
     for (int64_t t = p->first, later; t < p->last; t += block_at(bound, t, p->last, &later))
@@ -849,9 +863,9 @@ int lora_passes_begin(LoRAPasses *p, const LoRACall *call, int64_t th, int64_t n
 /* A float32 call's share in passes (linear_f32.c), each token a block: per token the arithmetic
  * of lora_thread_f32, in the same order, so the same bits. */
 int lora_passes_begin_f32(LoRAPasses *p, const LoRACallF32 *call, int64_t th, int64_t nt) {
-    const int64_t n = call->bound->end - call->bound->start;
     p->call = NULL, p->call_f32 = call;
-    p->first = p->next = n * th / nt, p->last = n * (th + 1) / nt;
+    share_of(call->bound, th, nt, F32_SHARE_BLOCK, &p->first, &p->last);
+    p->next = p->first;
     p->blocks = p->last - p->first, p->shrunk = 0;
     const int64_t numel = p->blocks * call->bound->modules * call->bound->r;
     p->v = thread_buffer(sizeof(float) * (size_t)numel);
