@@ -657,7 +657,10 @@ static void *thread_buffer(size_t bytes) {
  * test's large deltas). The rest of a span, and decode tokens, take the AVX-512 blocks. For ranks
  * up to 16 (even) and input widths a multiple of 32. Measured on a 2-core Xeon: a prefill step's
  * LoRA calls (4 prompts of 64 tokens on all-module adapters) 23.7 -> 13.0 ms; 16 prompts of 448
- * tokens on 8 adapters, 4 new tokens each, 3.22 -> 3.01 s.
+ * tokens on 8 adapters, 4 new tokens each, 3.22 -> 3.01 s. With A's layout by transposes and y
+ * rounded 32 lanes an instruction (a_pairs_of, narrow_bf16x32), the same bits: a q,v call on 256
+ * tokens in 4 spans of 64, 39.1-39.5 -> 32.2-33.2 us; in 16 spans of 16, 65-73 -> 55-57 us
+ * (2-core Xeon, family 6, model 167 as its hypervisor shows it; the call alone, its rows in L2).
  *
  * Tiles: 0 x [16 tokens, 32 inputs]; 1 A's pairs [16, r]; 2 the shrink's sums [16, r] float32;
  * 3 v's halves [16, 2r] bfloat16; 4 and 6 B's pairs, twice [r, 16 columns]; 5 and 7 the
@@ -688,6 +691,56 @@ static int64_t span_work(int64_t fin, int64_t fout, int64_t r) {
     return fin * r + 2 * r * ((fout + 15) / 16 * 16);
 }
 
+/* thirty-two float32 lanes, low's then high's, rounded to bfloat16 in one instruction
+ * (vcvtne2ps2bf16: to nearest even, NaNs made quiet as round_bf16 does), where narrow_bf16's
+ * integer form is eight for each half. It reads a float32 below 2^-126 as 0, which y's sums,
+ * to a rounding step of the reference here, do not reach. */
+static inline __m512i narrow_bf16x32(__m512 low, __m512 high) {
+    return (__m512i)_mm512_cvtne2ps_pbh(high, low);
+}
+
+/* The 16 x 16 four-byte elements of m transposed in place: m[i] holds element i of each row */
+static inline void transpose_16x16(__m512i m[16]) {
+    __m512i a[16];
+    for (int k = 0; k < 8; k++) { /* within 128-bit lanes: rows 2k, 2k + 1 interleaved */
+        a[2 * k] = _mm512_unpacklo_epi32(m[2 * k], m[2 * k + 1]);
+        a[2 * k + 1] = _mm512_unpackhi_epi32(m[2 * k], m[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) { /* lane l of m[4k + c]: rows 4k .. 4k + 3 of column 4l + c */
+        m[4 * k] = _mm512_unpacklo_epi64(a[4 * k], a[4 * k + 2]);
+        m[4 * k + 1] = _mm512_unpackhi_epi64(a[4 * k], a[4 * k + 2]);
+        m[4 * k + 2] = _mm512_unpacklo_epi64(a[4 * k + 1], a[4 * k + 3]);
+        m[4 * k + 3] = _mm512_unpackhi_epi64(a[4 * k + 1], a[4 * k + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* lane l of the four rows' blocks: column 4l + c */
+        const __m512i even0 = _mm512_shuffle_i32x4(m[c], m[4 + c], 0x88);
+        const __m512i odd0 = _mm512_shuffle_i32x4(m[c], m[4 + c], 0xDD);
+        const __m512i even1 = _mm512_shuffle_i32x4(m[8 + c], m[12 + c], 0x88);
+        const __m512i odd1 = _mm512_shuffle_i32x4(m[8 + c], m[12 + c], 0xDD);
+        a[c] = _mm512_shuffle_i32x4(even0, even1, 0x88);
+        a[8 + c] = _mm512_shuffle_i32x4(even0, even1, 0xDD);
+        a[4 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
+        a[12 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) m[i] = a[i];
+}
+
+/* A's r rows (fin each; fin a multiple of 32) as input pairs by rank, a tile's B operand:
+ * pairs[p][j] = elements 2p and 2p + 1 of row j, for 16 pairs at a time a 16 x 16 transpose of
+ * four-byte pairs (rows past r read as zeros, kept out of the stores), where a copy a pair took
+ * r loads and stores for every 2 inputs. */
+static void a_pairs_of(const uint16_t *const *rows, int64_t r, int64_t fin, uint16_t *pairs) {
+    const __mmask16 ranks = tail_mask(r);
+    for (int64_t p = 0; p < fin / 2; p += 16) {
+        __m512i m[16];
+        for (int64_t j = 0; j < 16; j++)
+            m[j] = j < r ? _mm512_loadu_si512(rows[j] + 2 * p) : _mm512_setzero_si512();
+        transpose_16x16(m);
+        for (int64_t c = 0; c < 16; c++)
+            _mm512_mask_storeu_epi32(pairs + (p + c) * r * 2, ranks, m[c]);
+    }
+}
+
 /* `blocks` blocks of 16 tokens from token t on, all of run s, every module */
 static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride,
                           int64_t t, int64_t blocks, int64_t s, int64_t fin, int64_t modules,
@@ -698,10 +751,9 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
         const int64_t at = mods[i] * mstride + s * r, fout = fouts[i], chunks = (fout + 15) / 16;
         uint16_t *a_pairs = work;          /* [fin / 2][r][2] */
         uint16_t *b_pairs = work + fin * r; /* [chunks][2][r / 2][16][2] */
-        const uint32_t *rows[16];
-        for (int64_t j = 0; j < r; j++) rows[j] = (const uint32_t *)(pool + a_rows[at + j]);
-        for (int64_t p = 0; p < fin / 2; p++) /* a row's pairs are 4-byte aligned: fin is even */
-            for (int64_t j = 0; j < r; j++) memcpy(a_pairs + (p * r + j) * 2, rows[j] + p, 4);
+        const uint16_t *rows[16];
+        for (int64_t j = 0; j < r; j++) rows[j] = pool + a_rows[at + j];
+        a_pairs_of(rows, r, fin, a_pairs);
         /* each pair: the two rows' elements of a column side by side */
         const __m512i interleave = _mm512_set_epi16(
             31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
@@ -771,9 +823,7 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
                         bf16_widen(_mm512_castsi512_si256(yv)), _mm512_loadu_ps(sums[done % 2][u]));
                     const __m512 high = _mm512_add_ps(bf16_widen(_mm512_extracti64x4_epi64(yv, 1)),
                                                       _mm512_loadu_ps(sums[done % 2][u] + 16));
-                    const __m512i both = _mm512_inserti64x4(
-                        _mm512_castsi256_si512(narrow_bf16(low)), narrow_bf16(high), 1);
-                    _mm512_mask_storeu_epi16(out, m, both);
+                    _mm512_mask_storeu_epi16(out, m, narrow_bf16x32(low, high));
                 }
             }
         }
