@@ -693,8 +693,9 @@ static int64_t span_work(int64_t fin, int64_t fout, int64_t r) {
 
 /* thirty-two float32 lanes, low's then high's, rounded to bfloat16 in one instruction
  * (vcvtne2ps2bf16: to nearest even, NaNs made quiet as round_bf16 does), where narrow_bf16's
- * integer form is eight for each half. It reads a float32 below 2^-126 as 0, which y's sums,
- * to a rounding step of the reference here, do not reach. */
+ * integer form is eight for each half. It reads a float32 below 2^-126 as 0, where the integer
+ * form keeps a subnormal bfloat16: y here, a projection's output plus a LoRA delta, is not that
+ * small in a model's layers. */
 static inline __m512i narrow_bf16x32(__m512 low, __m512 high) {
     return (__m512i)_mm512_cvtne2ps_pbh(high, low);
 }
