@@ -833,18 +833,16 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
 }
 #endif
 
-/* Thread th of nt's share of a call: its part of the tokens (share_of), taken in blocks. A
- * block's arithmetic is each of its tokens' on its own, in the same order: the results do not
- * depend on the blocking. */
 /* The tokens of a run that count as one decode token's reads in a bfloat16 call's split
- * (share_of): a block's (LORA_BLOCK), but in the AMX build, whose tiles take a span 16 tokens at a
- * time, its rows in L1 after the first, a tile block's. On a 2-core Xeon with AMX (family 6,
- * model 167 as its hypervisor shows it), a request arriving every step (a 64-token prompt beside
- * about 31 decode tokens on 32 distinct rank-16 adapters), builds swapped step by step in one
- * process (scratch, medians of 150 steps each): all-module 60.05 and 60.00 ms a step with 4 (two
- * builds of it), 56.77 with 16, 56.78 with 64; q,v 44.12 and 44.23 with 4, 43.65 with 16, 43.74
- * with 32. With 4 the first thread took 23 decode tokens, each reading its rows from memory, and
- * the second 8 and the span, which its tiles finish in a few microseconds. */
+ * (share_of, in lora_thread_bf16 and lora_passes_begin): a block's (LORA_BLOCK), but in the AMX
+ * build, whose tiles take a span 16 tokens at a time, its rows in L1 after the first, a tile
+ * block's. On a 2-core Xeon with AMX (family 6, model 167 as its hypervisor shows it), a request
+ * arriving every step (a 64-token prompt beside about 31 decode tokens on 32 distinct rank-16
+ * adapters), builds swapped step by step in one process (scratch, medians of 150 steps each):
+ * all-module 60.05 and 60.00 ms a step with 4 (two builds of it), 56.77 with 16, 56.78 with 64;
+ * q,v 44.12 and 44.23 with 4, 43.65 with 16, 43.74 with 32. With 4 the first thread took 23
+ * decode tokens, each reading its rows from memory, and the second 8 and the span, which its
+ * tiles finish in a few microseconds. */
 #if defined(HAVE_AMX)
 #ifndef AMX_SHARE_BLOCK
 #define AMX_SHARE_BLOCK AMX_SPAN
@@ -854,6 +852,9 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
 #define BF16_SHARE_BLOCK LORA_BLOCK
 #endif
 
+/* Thread th of nt's share of a call: its part of the tokens (share_of), taken in blocks. A
+ * block's arithmetic is each of its tokens' on its own, in the same order: the results do not
+ * depend on the blocking. */
 void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
     int64_t first, last;
@@ -919,7 +920,7 @@ void lora_thread_bf16(const LoRACall *call, int64_t th, int64_t nt) {
 int lora_passes_begin(LoRAPasses *p, const LoRACall *call, int64_t th, int64_t nt) {
     const LoRABinding *bound = call->bound;
     p->call = call, p->call_f32 = NULL;
-    share_of(bound, th, nt, LORA_BLOCK, &p->first, &p->last);
+    share_of(bound, th, nt, BF16_SHARE_BLOCK, &p->first, &p->last);
     p->next = p->first;
     p->blocks = p->shrunk = 0;
     for (int64_t t = p->first, later; t < p->last; t += block_at(bound, t, p->last, &later))
