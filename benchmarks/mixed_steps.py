@@ -1,6 +1,7 @@
 """Steps with a prompt chunk beside decode tokens, as a server under steady arrivals runs them.
 
     python benchmarks/mixed_steps.py [--dtype auto] [--rounds 6] [--steps 120]
+                                     [--against REV [--define NAME ...] [--undefine NAME ...]]
 
 A request arrives every step (a 64-token prompt, 32 new tokens, greedy, EOS ignored), each on
 the next of 32 distinct rank-16 adapters. Once the first have started, every step holds one
@@ -19,6 +20,10 @@ runs are alternated in one process, each on prompts of its own.
 With `--against REV` it also times the kernels' C sources as they are at git revision REV
 (kernel_ab.py builds them), with the fetch; the step's decoder layers then run one by one in
 every way (not in one native call), so that the builds' LoRA calls swap from Python.
+--define NAME[=VALUE] builds REV with that macro too, --undefine NAME leaves one of this
+machine's flags out (kernel_ab.build_at): `--against HEAD --define BF16_SHARE_BLOCK=8` times
+another split of a bfloat16 call's tokens against the engine's (AMX_SHARE_BLOCK in the AMX
+build, F32_SHARE_BLOCK in float32; cpu/lora.c).
 
 It prints each way's median time and the median of the rounds' ratios against the engine's
 way. For q,v it also prints throughput against the base model under these arrivals.
@@ -34,7 +39,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from kernel_ab import LoRACalls, build_at
+from kernel_ab import LoRACalls, add_macro_options, build_at, other_label
 from lora_floor import ALL, QV, load_random_adapters
 
 PROMPT_TOKENS = 64
@@ -69,6 +74,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--against", help="git revision of the kernels to time beside")
+    add_macro_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -82,7 +88,11 @@ def main() -> None:
     ways = {"fetching": fetching, "decode only": Linear.fetches_decode_rows}
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        other = build_at(args.against, Path(tmp)) if args.against else None
+        other = label = None
+        if args.against:
+            other = build_at(args.against, Path(tmp), defines=tuple(args.define),
+                             undefines=tuple(args.undefine))  # fmt: skip
+            label = other_label(args.against, args.define, args.undefine)
         for name, modules in (("q,v", QV), ("all-module", ALL)):
             llm = LLM(model=str(model_dir), dtype=args.dtype, max_num_batched_tokens=256)
             engine, folder = llm.engine, Path(tmp) / name
@@ -94,9 +104,9 @@ def main() -> None:
                 torch_dtype = engine.config.torch_dtype
                 builds = {
                     "fetching": LoRACalls.of_library(cpu_lora.library(), torch_dtype),
-                    args.against: LoRACalls.of_library(other, torch_dtype),
+                    label: LoRACalls.of_library(other, torch_dtype),
                 }
-                kinds.insert(2, args.against)
+                kinds.insert(2, label)
             count = args.steps * (len(kinds) * args.rounds + 1)
             prompts = make_prompts(llm.tokenizer, count, PROMPT_TOKENS)
             batches = iter(prompts[i : i + args.steps] for i in range(0, count, args.steps))

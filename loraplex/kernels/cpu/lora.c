@@ -848,7 +848,7 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
 #define AMX_SHARE_BLOCK AMX_SPAN
 #endif
 #define BF16_SHARE_BLOCK AMX_SHARE_BLOCK
-#else
+#elif !defined(BF16_SHARE_BLOCK)
 #define BF16_SHARE_BLOCK LORA_BLOCK
 #endif
 
