@@ -842,9 +842,10 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
  * all-module 60.05 and 60.00 ms a step with 4 (two builds of it), 56.77 with 16, 56.78 with 64;
  * q,v 44.12 and 44.23 with 4, 43.65 with 16, 43.74 with 32. With 4 the first thread took 23
  * decode tokens, each reading its rows from memory, and the second 8 and the span, which its
- * tiles finish in a few microseconds. Elsewhere a span costs its arithmetic at about the L2's
- * pace: on a 2-core Zen 4 (mixed_steps.py --against HEAD --define BF16_SHARE_BLOCK=N, 6 rounds)
- * 8 took 1.005x the time of 4 on q,v and 1.008x all-module, 16 1.004x and 1.013x. */
+ * tiles finish in a few microseconds. Elsewhere each block of a span reads its rows again (from
+ * L2 where they outgrow L1: 61 KB an adapter on q,v). On a 2-core Zen 4 (mixed_steps.py --against
+ * HEAD --define BF16_SHARE_BLOCK=N, 6 rounds) 8 took 1.005x the time of 4 on q,v and 1.008x
+ * all-module, 16 1.004x and 1.013x. */
 #if defined(HAVE_AMX)
 #ifndef AMX_SHARE_BLOCK
 #define AMX_SHARE_BLOCK AMX_SPAN
