@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--against", help="git revision of the kernels to time beside")
     add_macro_options(parser)
     args = parser.parse_args()
+    if (args.define or args.undefine) and not args.against:
+        parser.error("--define and --undefine are for --against REV's build")
     torch.set_num_threads(args.threads)
 
     from loraplex import LLM
@@ -137,12 +139,13 @@ def main() -> None:
     )
     if not fetches:
         print("(the native projection does not fetch in such steps on this CPU and dtype)")
+    width = max(len(kind) for figures in results.values() for kind in figures)
     for name, figures in results.items():
         engine_way = figures["fetching"]
         for kind, seconds in figures.items():
             ratios = [s / e for s, e in zip(seconds, engine_way, strict=True)]
             print(
-                f"{name:10s} {kind:12s} {statistics.median(seconds):7.2f} s "
+                f"{name:10s} {kind:{width}s} {statistics.median(seconds):7.2f} s "
                 f"({args.steps / statistics.median(seconds):5.1f} steps/s); time against "
                 f"fetching {statistics.median(ratios):.3f}x; runs "
                 + " ".join(f"{s:.2f}" for s in seconds)

@@ -843,10 +843,14 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
  * q,v 44.12 and 44.23 with 4, 43.65 with 16, 43.74 with 32. With 4 the first thread took 23
  * decode tokens, each reading its rows from memory, and the second 8 and the span, which its
  * tiles finish in a few microseconds. Elsewhere each block of a span reads its rows again (from
- * L2 where they outgrow L1: 61 KB an adapter on q,v). On a 2-core Zen 4 (mixed_steps.py --against
- * HEAD --define BF16_SHARE_BLOCK=N, 6 rounds) 8 took 1.005x the time of 4 on q,v and 1.008x
- * all-module, 16 1.004x and 1.013x. */
+ * L2 where they outgrow L1: SmolLM2-135M's q,v rows are 61 KB an adapter in bfloat16). On a
+ * 2-core Zen 4, under the same arrivals (benchmarks/mixed_steps.py, 6 rounds, medians of the
+ * rounds' ratios), 8 took 1.005x the time of 4 on q,v and 1.008x all-module, 16 1.004x and
+ * 1.013x. */
 #if defined(HAVE_AMX)
+#if defined(BF16_SHARE_BLOCK)
+#error "the AMX build's block is AMX_SHARE_BLOCK"
+#endif
 #ifndef AMX_SHARE_BLOCK
 #define AMX_SHARE_BLOCK AMX_SPAN
 #endif
