@@ -22,8 +22,8 @@ With `--against REV` it also times the kernels' C sources as they are at git rev
 every way (not in one native call), so that the builds' LoRA calls swap from Python.
 --define NAME[=VALUE] builds REV with that macro too, --undefine NAME leaves one of this
 machine's flags out (kernel_ab.build_at): `--against HEAD --define BF16_SHARE_BLOCK=8` times
-another split of a bfloat16 call's tokens against the engine's (AMX_SHARE_BLOCK in the AMX
-build, F32_SHARE_BLOCK in float32; cpu/lora.c).
+another split of a bfloat16 call's tokens against the engine's (F32_SHARE_BLOCK in float32;
+cpu/lora.c).
 
 It prints each way's median time and the median of the rounds' ratios against the engine's
 way. For q,v it also prints throughput against the base model under these arrivals.

@@ -847,16 +847,12 @@ static void lora_span_amx(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
  * 2-core Zen 4, under the same arrivals (benchmarks/mixed_steps.py, 6 rounds, medians of the
  * rounds' ratios), 8 took 1.005x the time of 4 on q,v and 1.008x all-module, 16 1.004x and
  * 1.013x. */
+#ifndef BF16_SHARE_BLOCK
 #if defined(HAVE_AMX)
-#if defined(BF16_SHARE_BLOCK)
-#error "the AMX build's block is AMX_SHARE_BLOCK"
-#endif
-#ifndef AMX_SHARE_BLOCK
-#define AMX_SHARE_BLOCK AMX_SPAN
-#endif
-#define BF16_SHARE_BLOCK AMX_SHARE_BLOCK
-#elif !defined(BF16_SHARE_BLOCK)
+#define BF16_SHARE_BLOCK AMX_SPAN
+#else
 #define BF16_SHARE_BLOCK LORA_BLOCK
+#endif
 #endif
 
 /* Thread th of nt's share of a call: its part of the tokens (share_of), taken in blocks. A
