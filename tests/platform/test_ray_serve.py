@@ -118,6 +118,18 @@ def settled(server) -> dict[str, dict]:
     return by_replica(server)
 
 
+def metrics_showing(server, lines: list[str]) -> str:
+    """/metrics once it shows every line. Each ingress replica reads the replicas' reports on its
+    own (every half second), and two calls may reach different ingress replicas, so an answer
+    can lag the one before it by a read: give it a few."""
+    deadline = time.monotonic() + 5
+    while True:
+        text = httpx.get(f"{server.url}/metrics").text
+        if all(line in text for line in lines) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
+
+
 def by_replica(server) -> dict[str, dict]:
     return {r["replica"]: r for r in engine_report(server)["replicas"]}
 
@@ -161,12 +173,14 @@ def test_each_adapter_stays_on_the_replica_holding_it_and_outputs_match_one_proc
     assert hits / requests >= 0.9
     assert all(count > 0 for count in spread.values()), "Ray put every adapter on one replica"
     # /metrics: each replica's figures, and the engine's summed over them
-    metrics = httpx.get(f"{cluster.url}/metrics").text
-    for replica, figures in after.items():
-        line = f'loraplex_replica_affinity_hits_total{{replica="{replica}"}}'
-        assert f"{line} {float(figures['affinity_hits'])}" in metrics
     resident = sum(len(r["resident_adapters"]) for r in after.values())
-    assert f"loraplex_resident_adapters {float(resident)}" in metrics
+    expected = [
+        f'loraplex_replica_affinity_hits_total{{replica="{replica}"}} '
+        f"{float(figures['affinity_hits'])}"
+        for replica, figures in after.items()
+    ] + [f"loraplex_resident_adapters {float(resident)}"]
+    metrics = metrics_showing(cluster, expected)
+    assert all(line in metrics for line in expected), expected
 
     # the same requests on the single-process server give the same text
     single = start_server(tiny_llama, tmp_path / "single", **SHARED)
