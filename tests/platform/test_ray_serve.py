@@ -180,7 +180,9 @@ def test_each_adapter_stays_on_the_replica_holding_it_and_outputs_match_one_proc
         for replica, figures in after.items()
     ] + [f"loraplex_resident_adapters {float(resident)}"]
     metrics = metrics_showing(cluster, expected)
-    assert all(line in metrics for line in expected), expected
+    names = {line.split(" ")[0] for line in expected}
+    shown = [line for line in metrics.splitlines() if line.split(" ")[0] in names]
+    assert all(line in metrics for line in expected), (expected, shown)
 
     # the same requests on the single-process server give the same text
     single = start_server(tiny_llama, tmp_path / "single", **SHARED)
