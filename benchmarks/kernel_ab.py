@@ -108,6 +108,15 @@ def other_label(revision: str, defines: list[str], undefines: list[str] = ()) ->
     return " ".join([revision, *(f"-D{name}" for name in defines)] + [f"-U{u}" for u in undefines])
 
 
+def build_against(args, folder: Path) -> tuple[ctypes.CDLL, str]:
+    """The build of `--against REV` with its `--define` and `--undefine` macros (add_macro_options)
+    and how the output names it."""
+    library = build_at(
+        args.against, folder, defines=tuple(args.define), undefines=tuple(args.undefine)
+    )
+    return library, other_label(args.against, args.define, args.undefine)
+
+
 def add_macro_options(parser) -> None:
     """--define and --undefine, for the other revision's build (build_at)."""
     parser.add_argument("--define", action="append", default=[], help="a macro for REV's build")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from kernel_ab import add_macro_options, against, alternate, build_at, other_label
+from kernel_ab import add_macro_options, against, alternate, build_against
 from lora_floor import ALL, QV, add_decoding, load_random_adapters
 
 
@@ -58,11 +58,8 @@ def main() -> None:
 
     n = args.sequences
     with tempfile.TemporaryDirectory() as tmp:
-        other = cpu_lora.CpuDecoderLayers(
-            build_at(
-                args.against, Path(tmp), defines=tuple(args.define), undefines=tuple(args.undefine)
-            )
-        )
+        library, label = build_against(args, Path(tmp))
+        other = cpu_lora.CpuDecoderLayers(library)
         llm = LLM(model=str(resolve_model("default")), dtype=args.dtype)
         engine = llm.engine
         modules = QV if args.modules == "qv" else ALL
@@ -77,7 +74,6 @@ def main() -> None:
         model = engine.runner.model
         if model._decoder is None:
             raise SystemExit(f"this CPU runs {args.dtype} decode steps layer by layer")
-        label = other_label(args.against, args.define, args.undefine)
         builds = {"working tree": model._decoder, label: other}
 
         def step_with(build):

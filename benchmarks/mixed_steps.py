@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from engine_throughput import make_prompts
-from kernel_ab import LoRACalls, add_macro_options, build_at, other_label
+from kernel_ab import LoRACalls, add_macro_options, build_against
 from lora_floor import ALL, QV, load_random_adapters
 
 PROMPT_TOKENS = 64
@@ -90,11 +90,7 @@ def main() -> None:
     ways = {"fetching": fetching, "decode only": Linear.fetches_decode_rows}
     results: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        other = label = None
-        if args.against:
-            other = build_at(args.against, Path(tmp), defines=tuple(args.define),
-                             undefines=tuple(args.undefine))  # fmt: skip
-            label = other_label(args.against, args.define, args.undefine)
+        other, label = build_against(args, Path(tmp)) if args.against else (None, None)
         for name, modules in (("q,v", QV), ("all-module", ALL)):
             llm = LLM(model=str(model_dir), dtype=args.dtype, max_num_batched_tokens=256)
             engine, folder = llm.engine, Path(tmp) / name
