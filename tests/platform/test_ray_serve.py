@@ -118,15 +118,19 @@ def settled(server) -> dict[str, dict]:
     return by_replica(server)
 
 
-def metrics_showing(server, lines: list[str]) -> str:
-    """/metrics once it shows every line. Each ingress replica reads the replicas' reports on its
-    own (every half second), and two calls may reach different ingress replicas, so an answer
-    can lag the one before it by a read: give it a few."""
+def assert_metrics_show(server, lines: list[str]) -> None:
+    """/metrics shows every line within 5 s. Each ingress replica reads the replicas' reports on
+    its own (every half second), and two calls may reach different ingress replicas, so an
+    answer can lag the one before it by a read: give it a few."""
     deadline = time.monotonic() + 5
     while True:
         text = httpx.get(f"{server.url}/metrics").text
-        if all(line in text for line in lines) or time.monotonic() > deadline:
-            return text
+        if all(line in text.splitlines() for line in lines):
+            return
+        if time.monotonic() > deadline:
+            names = {line.split(" ")[0] for line in lines}
+            shown = [line for line in text.splitlines() if line.split(" ")[0] in names]
+            raise AssertionError(f"/metrics never showed {lines}; it had {shown}")
         time.sleep(0.2)
 
 
@@ -179,10 +183,7 @@ def test_each_adapter_stays_on_the_replica_holding_it_and_outputs_match_one_proc
         f"{float(figures['affinity_hits'])}"
         for replica, figures in after.items()
     ] + [f"loraplex_resident_adapters {float(resident)}"]
-    metrics = metrics_showing(cluster, expected)
-    names = {line.split(" ")[0] for line in expected}
-    shown = [line for line in metrics.splitlines() if line.split(" ")[0] in names]
-    assert all(line in metrics for line in expected), (expected, shown)
+    assert_metrics_show(cluster, expected)
 
     # the same requests on the single-process server give the same text
     single = start_server(tiny_llama, tmp_path / "single", **SHARED)
