@@ -5,7 +5,9 @@
 Builds the working tree's kernels with LAYER_STAGE_TIMERS (cpu/layers.c: a clock around each
 stage of every layer, compiled out of the engine's build) and runs the engine on that build: 32
 sequences decoding together (64-token prompts) on 32 distinct rank-16 adapters, each step with
-LoRA paired with the same batch with LoRA skipped (lora_floor.LoRASwitch), each first in turn.
+LoRA paired with the same batch with LoRA skipped (lora_floor.LoRASwitch), each first in turn,
+after a batch of its own has taken the engine past its first timing of how a step fetches its
+LoRA rows (fetch_placement.py), so that every step with adapters fetches the way it kept.
 Prints, for each stage summed over the layers, the median time of a base step and of a step
 with adapters and the median of the pairs' differences; for the projections and the attention,
 what a base step reads there (weights, the KV cache) and at what rate; the step's time outside
@@ -30,7 +32,15 @@ from pathlib import Path
 import torch
 from engine_throughput import make_prompts
 from kernel_ab import build_at
-from lora_floor import ALL, QV, BandwidthProbe, LoRASwitch, add_decoding, load_random_adapters
+from lora_floor import (
+    ALL,
+    QV,
+    BandwidthProbe,
+    LoRASwitch,
+    add_decoding,
+    load_random_adapters,
+    rows_fetched,
+)
 
 STAGES = (
     "q,k,v", "rotary write", "attention", "o", "post-attention norm", "gate_up", "SiLU", "down",
@@ -87,6 +97,7 @@ def main() -> None:
 
     from loraplex import LLM
     from loraplex.engine.default_model import resolve_model
+    from loraplex.engine.fetch_placement import ROUNDS
     from loraplex.kernels import cpu_lora
 
     n, modules = args.sequences, QV if args.modules == "qv" else ALL
@@ -103,8 +114,14 @@ def main() -> None:
         engine, config = llm.engine, llm.engine.model_config
         loras = load_random_adapters(llm, modules, n, Path(tmp))
         switch, native = LoRASwitch(), NativeTime()
-        add_decoding(engine, make_prompts(llm.tokenizer, n, 64), loras, 2 * args.steps + 24)
-        for _ in range(20):  # past the prefills and the engine's first timings
+        prompts = make_prompts(llm.tokenizer, 2 * n, 64)  # a batch to warm up, then the steps'
+        # past the engine's first timing of how rows are fetched (3 ways at most, a step each a
+        # round): until then the steps with adapters would take its ways in turn
+        add_decoding(engine, prompts[:n], loras, 3 * ROUNDS + 8)
+        while engine.has_unfinished():
+            engine.step()
+        add_decoding(engine, prompts[n:], loras, 2 * args.steps + 24)
+        for _ in range(20):  # past the prefills
             engine.step()
         samples: dict[bool, list[list[float]]] = {True: [], False: []}
         context = []
@@ -118,6 +135,7 @@ def main() -> None:
                 step = time.perf_counter() - started
                 samples[on].append([ns / 1e9 for ns in stages] + [step - native.seconds, step])
         switch.on = True
+        fetched = rows_fetched(engine.runner.model, n)
         while engine.has_unfinished():
             engine.step()
         bandwidth = probe.read(3)
@@ -140,6 +158,7 @@ def main() -> None:
         if i in reads:
             line += f"  {reads[i] / 2**20:6.1f} MiB at {reads[i] / base / 1e9:5.1f} GB/s"
         print(line)
+    print(fetched)
 
 
 if __name__ == "__main__":
