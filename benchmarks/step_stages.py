@@ -7,7 +7,8 @@ stage of every layer, compiled out of the engine's build) and runs the engine on
 sequences decoding together (64-token prompts) on 32 distinct rank-16 adapters, each step with
 LoRA paired with the same batch with LoRA skipped (lora_floor.LoRASwitch), each first in turn,
 after a batch of its own has taken the engine past its first timing of how a step fetches its
-LoRA rows (fetch_placement.py), so that every step with adapters fetches the way it kept.
+LoRA rows (fetch_placement.py), so that every step with adapters fetches the way it kept (it
+stops where the engine is still timing them).
 Prints, for each stage summed over the layers, the median time of a base step and of a step
 with adapters and the median of the pairs' differences; for the projections and the attention,
 what a base step reads there (weights, the KV cache) and at what rate; the step's time outside
@@ -116,13 +117,17 @@ def main() -> None:
         switch, native = LoRASwitch(), NativeTime()
         prompts = make_prompts(llm.tokenizer, 2 * n, 64)  # a batch to warm up, then the steps'
         # past the engine's first timing of how rows are fetched (3 ways at most, a step each a
-        # round): until then the steps with adapters would take its ways in turn
-        add_decoding(engine, prompts[:n], loras, 3 * ROUNDS + 8)
+        # round, counted once all its sequences decode): until then the steps with adapters
+        # would take its ways in turn
+        add_decoding(engine, prompts[:n], loras, 3 * ROUNDS + 24)
         while engine.has_unfinished():
             engine.step()
         add_decoding(engine, prompts[n:], loras, 2 * args.steps + 24)
         for _ in range(20):  # past the prefills
             engine.step()
+        lm = engine.runner.model
+        if lm.fetch_placement.measuring(lm._steps.key, lm._steps.ways):
+            raise SystemExit("the engine is still timing how its steps fetch rows: warm up longer")
         samples: dict[bool, list[list[float]]] = {True: [], False: []}
         context = []
         for i in range(args.steps):
@@ -135,7 +140,7 @@ def main() -> None:
                 step = time.perf_counter() - started
                 samples[on].append([ns / 1e9 for ns in stages] + [step - native.seconds, step])
         switch.on = True
-        fetched = rows_fetched(engine.runner.model, n)
+        fetched = rows_fetched(lm, n)
         while engine.has_unfinished():
             engine.step()
         bandwidth = probe.read(3)

@@ -70,6 +70,14 @@ class FetchPlacement:
         timer = self._timers.get(key)
         return timer.chosen if timer is not None else ways[0]
 
+    def measuring(self, key: Hashable, ways: Ways) -> bool:
+        """Whether the next steps of `ways` under `key` take the ways in turn to time them (none
+        kept yet, or the kept way's steps run out), not the one way kept."""
+        if self.fixed is not None or len(ways) < 2:
+            return False
+        timer = self._timers.get(key)
+        return timer is None or timer.kept == 0
+
     def record(self, key: Hashable, ways: Ways, way: str, tokens: int, seconds: float) -> None:
         """A step of `ways` under `key`: the way it took, its tokens and the seconds it took."""
         if self.fixed is None and len(ways) > 1:
@@ -88,14 +96,14 @@ class _WayTimer:
     def __init__(self, ways: Ways, rounds: int, keep: int) -> None:
         self.ways, self.rounds, self.keep = ways, rounds, keep
         self.chosen = ways[0]
-        self._kept = 0  # steps left to fetch as measured
+        self.kept = 0  # steps left to fetch as measured
         self._round: list[tuple[str, float]] = []  # the round's steps so far: way, seconds
         self._tokens = 0  # the round's steps' tokens
         self._done = 0  # rounds of this measurement
         self._spread: dict[str, list[float]] = {way: [] for way in ways}  # against rounds' means
 
     def choose(self) -> str:
-        if self._kept:
+        if self.kept:
             return self.chosen
         taken = {way for way, _ in self._round}
         turn = self._done % len(self.ways)
@@ -103,8 +111,8 @@ class _WayTimer:
         return next(way for way in order if way not in taken)
 
     def record(self, way: str, tokens: int, seconds: float) -> None:
-        if self._kept:
-            self._kept -= 1
+        if self.kept:
+            self.kept -= 1
             return
         if tokens != self._tokens or any(way == taken for taken, _ in self._round):
             self._round.clear()  # a round starts here
@@ -121,4 +129,4 @@ class _WayTimer:
             self.chosen = min(self.ways, key=lambda w: statistics.median(self._spread[w]))
             for spread in self._spread.values():
                 spread.clear()
-            self._done, self._kept = 0, self.keep
+            self._done, self.kept = 0, self.keep

@@ -43,10 +43,13 @@ def test_the_fastest_way_is_kept_then_measured_again(ways):
         ms = {way: 35.0 if way == fastest else 35.5 for way in ways}
         placement = FetchPlacement(rounds=16, keep=50)
         assert placement.choose("q,v", ways) == ways[0]  # the CPU's way until measured
+        assert placement.measuring("q,v", ways)
         measuring = drive(placement, [32] * 16 * len(ways), noisy(ms), ways)
         assert all(measuring.count(way) == 16 for way in ways)  # one of each a round
+        assert not placement.measuring("q,v", ways)  # what benchmarks wait for
         assert drive(placement, [32] * 50, noisy(ms), ways) == [fastest] * 50
         assert placement.chosen("q,v", ways) == fastest
+        assert placement.measuring("q,v", ways)
         again = drive(placement, [32] * len(ways), noisy(ms), ways)
         assert sorted(again) == sorted(ways)
 
@@ -84,6 +87,7 @@ def test_a_fixed_way_is_kept_whatever_the_timings(fixed):
         return 0.1 if way == fixed else 0.001
 
     assert drive(placement, [32] * 40, slower, THREE) == [fixed] * 40
+    assert not placement.measuring("q,v", THREE)
     assert placement.chosen("q,v", THREE) == fixed  # what benchmarks print as the way taken
     # where a step cannot fetch that way, its first
     assert drive(placement, [32] * 4, slower, (ALL,)) == [ALL] * 4
