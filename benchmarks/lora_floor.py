@@ -288,6 +288,7 @@ def main() -> None:
     workload: Workload | None = None  # the q,v whole runs, where --workload-rounds asks
     again: dict[str, Steps] = {}
     floors: dict[str, int] = {}
+    fetched: dict[str, str] = {}  # how each engine's steps fetched their q,k,v rows
     with tempfile.TemporaryDirectory() as tmp:
         for name, modules in (("q,v", QV), ("all", ALL)):
             llm, loras = engine_with(modules, n, tmp)
@@ -297,8 +298,7 @@ def main() -> None:
             prompts = sets["warmup"]
             # warm up, and past the engine's first timing of where to fetch q,k,v rows
             decode_steps(llm.engine, prompts, loras, 3 * FETCH_ROUNDS + 3, switch)
-            if name == "q,v":
-                fetched = rows_fetched(llm.engine.runner.model, n)
+            fetched[name] = rows_fetched(llm.engine.runner.model, n)
             floors[name] = adapter_bytes(llm.engine)
             runner = llm.engine.runner
             default, settings = lora_batch.GROUP_MIN_TOKENS, runner.settings
@@ -359,7 +359,8 @@ def main() -> None:
                 f"{args.workload_rounds} pairs of runs)"
             )
     if backend == "native":
-        print(fetched)
+        for name, line in fetched.items():
+            print(f"{name}: {line}")
     print(
         "targets: q,v throughput >= 0.95x base (the whole workload's, and here a decode step's "
         "too); all-module extra <= 1.25x floor"
