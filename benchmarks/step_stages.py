@@ -39,6 +39,7 @@ from lora_floor import (
     BandwidthProbe,
     LoRASwitch,
     add_decoding,
+    decode_steps,
     load_random_adapters,
     rows_fetched,
 )
@@ -117,11 +118,9 @@ def main() -> None:
         switch, native = LoRASwitch(), NativeTime()
         prompts = make_prompts(llm.tokenizer, 2 * n, 64)  # a batch to warm up, then the steps'
         # past the engine's first timing of how rows are fetched (3 ways at most, a step each a
-        # round, counted once all its sequences decode): until then the steps with adapters
-        # would take its ways in turn
-        add_decoding(engine, prompts[:n], loras, 3 * ROUNDS + 24)
-        while engine.has_unfinished():
-            engine.step()
+        # round), as lora_floor.py warms up: until then the steps with adapters would take its
+        # ways in turn
+        decode_steps(engine, prompts[:n], loras, 3 * ROUNDS + 3, switch)
         add_decoding(engine, prompts[n:], loras, 2 * args.steps + 24)
         for _ in range(20):  # past the prefills
             engine.step()

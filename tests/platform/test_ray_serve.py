@@ -124,12 +124,12 @@ def assert_metrics_show(server, lines: list[str]) -> None:
     answer can lag the one before it by a read: give it a few."""
     deadline = time.monotonic() + 5
     while True:
-        text = httpx.get(f"{server.url}/metrics").text
-        if all(line in text.splitlines() for line in lines):
+        shown_lines = httpx.get(f"{server.url}/metrics").text.splitlines()
+        if all(line in shown_lines for line in lines):
             return
         if time.monotonic() > deadline:
             names = {line.split(" ")[0] for line in lines}
-            shown = [line for line in text.splitlines() if line.split(" ")[0] in names]
+            shown = [line for line in shown_lines if line.split(" ")[0] in names]
             raise AssertionError(f"/metrics never showed {lines}; it had {shown}")
         time.sleep(0.2)
 
