@@ -1,0 +1,302 @@
+"""What AVX512-FP16's arithmetic could give bfloat16 projections on Intel's Xeons without AMX.
+
+    python benchmarks/fp16_products.py [--chunks 16,32,64]
+
+Where the hypervisor offers AVX512-BF16 and AVX512-FP16 but no AMX (family 6, model 207), the
+engine's bfloat16 products go through float32 FMAs (cpu_lora.dpbf16_half_rate, the FMA build),
+so side_by_side.py's throughput there is bounded by the float32 FMA peak (flop_ceiling.py).
+This measures, in one run:
+
+- the peak rate of float32 FMAs, of float16 FMAs and of vdpbf16ps on 1 and 2 threads (a C
+  loop of independent chains, built as the kernels are);
+- a decode step's products of 32 rows on SmolLM2's first layer (q, gate and up, down), W in
+  L2, through two scratch tiles: W's bfloat16 widened to float32 and 4 rows by 96 columns of
+  float32 FMAs over all of k, as the FMA build does; and W and x as float16 (each scaled by a
+  power of two, W's per matrix and x's per row, so that their largest element lies in [8, 16):
+  a chunk's sum of up to 255 products cannot overflow), 8 rows by 96 columns of float16 FMAs
+  whose sums are widened into float32 every `chunk` inputs;
+- each tile's error against the products in float64, as the root mean square over the
+  outputs relative to theirs, beside what rounding the outputs to bfloat16 (as the engine
+  does) adds to the float32 tile's.
+
+A scratch measurement of the idea, not the engine's code: the tiles fetch nothing and take no
+LoRA. x is Gaussian with every 97th input 20 times larger (outlier channels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+PROBE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#define CHAINS 12
+#define COLS 96
+
+/* FLOP/s of `iters` iterations of CHAINS independent instructions of `kind` on `threads`:
+ * 0 float32 FMA (16 lanes), 1 float16 FMA (32 lanes), 2 vdpbf16ps (16 lanes of pairs) */
+double peak(int kind, int64_t iters, int threads) {
+    float kept = 0.0f;
+    const double start = omp_get_wtime();
+#pragma omp parallel num_threads(threads) reduction(+ : kept)
+    {
+        if (kind == 0) {
+            __m512 s[CHAINS];
+            for (int c = 0; c < CHAINS; c++) s[c] = _mm512_set1_ps(0.001f * c);
+            const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+            for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 16
+                for (int c = 0; c < CHAINS; c++) s[c] = _mm512_fmadd_ps(s[c], a, b);
+            for (int c = 0; c < CHAINS; c++) kept += _mm512_cvtss_f32(s[c]);
+        } else if (kind == 1) {
+            __m512h s[CHAINS];
+            for (int c = 0; c < CHAINS; c++) s[c] = _mm512_set1_ph((_Float16)(0.001f * c));
+            const __m512h a = _mm512_set1_ph((_Float16)1.0f), b = _mm512_set1_ph((_Float16)0.0f);
+            for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 16
+                for (int c = 0; c < CHAINS; c++) s[c] = _mm512_fmadd_ph(s[c], a, b);
+            for (int c = 0; c < CHAINS; c++) kept += (float)_mm512_reduce_add_ph(s[c]);
+        } else {
+            __m512 s[CHAINS];
+            for (int c = 0; c < CHAINS; c++) s[c] = _mm512_set1_ps(0.001f * c);
+            const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80);
+            for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 16
+                for (int c = 0; c < CHAINS; c++) s[c] = _mm512_dpbf16_ps(s[c], a, a);
+            for (int c = 0; c < CHAINS; c++) kept += _mm512_cvtss_f32(s[c]);
+        }
+    }
+    const double seconds = omp_get_wtime() - start;
+    volatile float sink = kept;
+    (void)sink;
+    const double lanes = kind == 1 ? 32 : 16, flops = kind == 2 ? 4 : 2;
+    return flops * lanes * CHAINS * (double)iters * threads / seconds;
+}
+
+/* the float32 tile: rows r .. r + 4 of x [m, k] by block b of wf ([k][COLS] a block) */
+static void f32_tile(const float *x, const float *wf, float *y, int64_t k, int64_t n, int64_t b,
+                     int64_t r) {
+    __m512 acc[4][6];
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 6; c++) acc[i][c] = _mm512_setzero_ps();
+    const float *w = wf + b * k * COLS;
+    for (int64_t p = 0; p < k; p++) {
+        __m512 xv[4];
+        for (int i = 0; i < 4; i++) xv[i] = _mm512_set1_ps(x[(r + i) * k + p]);
+        for (int c = 0; c < 6; c++) {
+            const __m512 wv = _mm512_load_ps(w + p * COLS + c * 16);
+            for (int i = 0; i < 4; i++) acc[i][c] = _mm512_fmadd_ps(xv[i], wv, acc[i][c]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < 6; c++)
+            _mm512_storeu_ps(y + (r + i) * n + b * COLS + c * 16, acc[i][c]);
+}
+
+/* the float16 tile: rows r .. r + 8 of xh [m, k] (row i scaled by 1 / xs[i]) by block b of wh
+ * (scaled by 1 / ws), float16 sums over `chunk` inputs, widened into float32 between chunks */
+static void f16_tile(const _Float16 *xh, const float *xs, const _Float16 *wh, float ws,
+                     float *y, int64_t k, int64_t n, int64_t b, int64_t r, int64_t chunk) {
+    float sums[8][COLS] __attribute__((aligned(64)));
+    memset(sums, 0, sizeof sums);
+    const _Float16 *w = wh + b * k * COLS;
+    for (int64_t p0 = 0; p0 < k; p0 += chunk) {
+        __m512h acc[8][3];
+        for (int i = 0; i < 8; i++)
+            for (int c = 0; c < 3; c++) acc[i][c] = _mm512_setzero_ph();
+        for (int64_t p = p0; p < p0 + chunk && p < k; p++) {
+            __m512h wv[3];
+            for (int c = 0; c < 3; c++) wv[c] = _mm512_load_ph(w + p * COLS + c * 32);
+            for (int i = 0; i < 8; i++) {
+                const __m512h xv = _mm512_set1_ph(xh[(r + i) * k + p]);
+                for (int c = 0; c < 3; c++) acc[i][c] = _mm512_fmadd_ph(xv, wv[c], acc[i][c]);
+            }
+        }
+        for (int i = 0; i < 8; i++)
+            for (int c = 0; c < 3; c++) {
+                const __m512i a = _mm512_castph_si512(acc[i][c]);
+                const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(a));
+                const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(a, 1));
+                float *s = sums[i] + c * 32;
+                _mm512_store_ps(s, _mm512_add_ps(_mm512_load_ps(s), lo));
+                _mm512_store_ps(s + 16, _mm512_add_ps(_mm512_load_ps(s + 16), hi));
+            }
+    }
+    for (int i = 0; i < 8; i++) {
+        const __m512 scale = _mm512_set1_ps(xs[r + i] * ws);
+        for (int c = 0; c < 6; c++)
+            _mm512_storeu_ps(y + (r + i) * n + b * COLS + c * 16,
+                             _mm512_mul_ps(_mm512_load_ps(sums[i] + c * 16), scale));
+    }
+}
+
+static float bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* the power of two that brings a largest element `largest` into [8, 16) */
+static float scale_of(float largest) {
+    int e;
+    frexpf(largest, &e);
+    return ldexpf(1.0f, e - 4);
+}
+
+/* x [m, k] (m a multiple of 8), w [n, k] (n a multiple of 96): each tile's best time of `reps`
+ * on `threads` (out[0], out[1], seconds) and rms errors against float64 (out[2] float32 tile,
+ * out[3] float16 tile, out[4] the float32 tile's outputs rounded to bfloat16) */
+void compare(const float *x, const float *w, int64_t m, int64_t k, int64_t n, int64_t chunk,
+             int reps, int threads, double *out) {
+    const int64_t blocks = n / COLS;
+    float *wf = aligned_alloc(64, sizeof(float) * n * k);
+    _Float16 *wh = aligned_alloc(64, sizeof(_Float16) * n * k);
+    _Float16 *xh = malloc(sizeof(_Float16) * m * k);
+    float *xs = malloc(sizeof(float) * m), *y32 = malloc(sizeof(float) * m * n);
+    float *y16 = malloc(sizeof(float) * m * n), wmax = 0.0f;
+    for (int64_t i = 0; i < n * k; i++) wmax = fmaxf(wmax, fabsf(w[i]));
+    const float ws = scale_of(wmax);
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t p = 0; p < k; p++) {
+            const int64_t at = (j / COLS) * k * COLS + p * COLS + j % COLS;
+            wf[at] = w[j * k + p];
+            wh[at] = (_Float16)(w[j * k + p] / ws);
+        }
+    for (int64_t i = 0; i < m; i++) {
+        float largest = 0.0f;
+        for (int64_t p = 0; p < k; p++) largest = fmaxf(largest, fabsf(x[i * k + p]));
+        xs[i] = scale_of(largest);
+        for (int64_t p = 0; p < k; p++) xh[i * k + p] = (_Float16)(x[i * k + p] / xs[i]);
+    }
+    out[0] = out[1] = 1e30;
+    for (int rep = 0; rep < reps; rep++) {
+        double t0 = omp_get_wtime();
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t r = 0; r < m; r += 4) f32_tile(x, wf, y32, k, n, b, r);
+        double t1 = omp_get_wtime();
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t r = 0; r < m; r += 8) f16_tile(xh, xs, wh, ws, y16, k, n, b, r, chunk);
+        double t2 = omp_get_wtime();
+        out[0] = fmin(out[0], t1 - t0);
+        out[1] = fmin(out[1], t2 - t1);
+    }
+    double e32 = 0, e16 = 0, ebf = 0, norm = 0;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) {
+            double ref = 0;
+            for (int64_t p = 0; p < k; p++) ref += (double)x[i * k + p] * w[j * k + p];
+            const double a = y32[i * n + j], h = y16[i * n + j], r = bf16_round(y32[i * n + j]);
+            norm += ref * ref;
+            e32 += (a - ref) * (a - ref);
+            e16 += (h - ref) * (h - ref);
+            ebf += (r - ref) * (r - ref);
+        }
+    out[2] = sqrt(e32 / norm);
+    out[3] = sqrt(e16 / norm);
+    out[4] = sqrt(ebf / norm);
+    free(wf), free(wh), free(xh), free(xs), free(y32), free(y16);
+}
+"""
+
+
+def load(folder: Path) -> ctypes.CDLL:
+    from loraplex.kernels import cpu_lora
+
+    source, target = folder / "fp16_products.c", folder / "fp16_products.so"
+    source.write_text(PROBE)
+    flags = cpu_lora.FLAGS  # -march=native: this CPU's AVX512-FP16
+    subprocess.run(
+        cpu_lora.compile_command(cpu_lora._compiler(), [source], target, flags), check=True
+    )
+    lib = ctypes.CDLL(str(target))
+    lib.peak.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    lib.peak.restype = ctypes.c_double
+    lib.compare.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
+    lib.compare.argtypes += [ctypes.c_void_p]
+    return lib
+
+
+def first_layer(model_dir: Path) -> dict[str, torch.Tensor]:
+    """SmolLM2's first layer's q, gate and up (stacked, as the engine fuses them) and down
+    weights, bfloat16 values as float32."""
+    from safetensors import safe_open
+
+    prefix = "model.layers.0.mlp."
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as weights:
+        q = weights.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        gate_up = torch.cat(
+            [
+                weights.get_tensor(prefix + "gate_proj.weight"),
+                weights.get_tensor(prefix + "up_proj.weight"),
+            ]
+        )
+        down = weights.get_tensor(prefix + "down_proj.weight")
+    return {
+        name: t.to(torch.bfloat16).float().contiguous()
+        for name, t in (("q", q), ("gate_up", gate_up), ("down", down))
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--chunks", default="16,32,64")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    from loraplex.engine.default_model import resolve_model
+    from loraplex.kernels import cpu_lora
+
+    if not {"avx512_fp16", "avx512_bf16"} <= cpu_lora.cpu_flags():
+        raise SystemExit("this CPU offers no AVX512-FP16 or no AVX512-BF16: nothing to measure")
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = load(Path(tmp))
+        lib.peak(0, 10_000_000, args.threads)  # clocks up
+        for threads in (1, args.threads):
+            rates = [
+                max(lib.peak(kind, 20_000_000, threads) for _ in range(3)) for kind in range(3)
+            ]
+            print(
+                f"peak on {threads} thread(s): float32 FMA {rates[0] / 1e9:.1f} GFLOP/s, float16 "
+                f"FMA {rates[1] / 1e9:.1f} ({rates[1] / rates[0]:.2f}x), vdpbf16ps "
+                f"{rates[2] / 1e9:.1f} ({rates[2] / rates[0]:.2f}x)"
+            )
+        generator = torch.Generator().manual_seed(0)
+        for name, w in first_layer(resolve_model(args.model)).items():
+            n, k = w.shape
+            x = torch.randn(args.rows, k, generator=generator)
+            x[:, ::97] *= 20
+            x = x.to(torch.bfloat16).float().contiguous()
+            for chunk in map(int, args.chunks.split(",")):
+                out = (ctypes.c_double * 5)()
+                lib.compare(
+                    x.data_ptr(), w.data_ptr(), args.rows, k, n, chunk, args.reps, args.threads, out
+                )
+                flop = 2.0 * args.rows * k * n
+                print(
+                    f"{name:8s} {args.rows} x {k} -> {n}, chunk {chunk:3d}: float32 tile "
+                    f"{flop / out[0] / 1e9:6.1f} GFLOP/s, float16 tile {flop / out[1] / 1e9:6.1f} "
+                    f"({out[0] / out[1]:.2f}x); rms error: float32 {out[2]:.1e}, float16 "
+                    f"{out[3]:.1e}, bfloat16 outputs {out[4]:.1e}"
+                )
+
+
+if __name__ == "__main__":
+    main()
