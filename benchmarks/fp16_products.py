@@ -261,6 +261,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args()
+    if args.rows <= 0 or args.rows % 8 != 0:
+        parser.error("--rows must be a positive multiple of 8 (the float16 tile's rows)")
     from loraplex.engine.default_model import resolve_model
     from loraplex.kernels import cpu_lora
 
@@ -281,6 +283,9 @@ def main() -> None:
         generator = torch.Generator().manual_seed(0)
         for name, w in first_layer(resolve_model(args.model)).items():
             n, k = w.shape
+            if n % 96 != 0:
+                print(f"{name}: {n} outputs, not a multiple of the tiles' 96 columns: left out")
+                continue
             x = torch.randn(args.rows, k, generator=generator)
             x[:, ::97] *= 20
             x = x.to(torch.bfloat16).float().contiguous()
