@@ -13,9 +13,11 @@ the table of output tokens/s, each system's adapters/base ratio, the ratios the 
 targets name (loraplex against vLLM, against PEFT switching adapters per request), and time to
 first token and inter-token latency of the 32 requests submitted at once through AsyncEngine.
 vLLM runs in its own process and virtual environment (benchmarks/vllm_peer.py); without it the
-vLLM row says so. On a CPU without native bfloat16, where vLLM's bfloat16 is emulated too, vLLM
-also runs the base model in float32 (it refuses LoRA in float32), so that the base-speed ratio is
-also given against its fastest configuration here; `--vllm-float32` runs it on any CPU, to set
+vLLM row says so. On a CPU without native bfloat16, where vLLM's bfloat16 is emulated too, and on
+Intel's with AVX512-BF16 but no AMX, where bfloat16 products run at half the float32 FMAs' rate
+(cpu_lora.dpbf16_half_rate; vLLM's float32 base ran 1.63x its bfloat16 on such a Xeon), vLLM also
+runs the base model in float32 (it refuses LoRA in float32), so that the base-speed ratio is also
+given against its fastest configuration there; `--vllm-float32` runs it on any CPU, to set
 loraplex's float32 against vLLM's where the CPU has both dtypes.
 """
 
@@ -195,6 +197,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from loraplex.engine.device import cpu_has_native_bf16
+    from loraplex.kernels.cpu_lora import dpbf16_half_rate
 
     model_dir, config, sets = workload(args)
     prompts = sets["warmup"]  # for the latencies and PEFT
@@ -211,9 +214,9 @@ def main() -> None:
         rows["vLLM-CPU bfloat16"] = run_vllm(
             args.vllm_python, model_dir, sets, dirs, args.new_tokens, "bfloat16"
         )
-        if args.vllm_float32 or not cpu_has_native_bf16():
-            # where bfloat16 is emulated, which handicaps vLLM too, or when asked: it refuses
-            # LoRA in float32, so its float32 row is the base model only
+        if args.vllm_float32 or not cpu_has_native_bf16() or dpbf16_half_rate():
+            # where bfloat16 is emulated or at half rate, which handicaps vLLM too, or when
+            # asked: it refuses LoRA in float32, so its float32 row is the base model only
             rows["vLLM-CPU float32"] = run_vllm(
                 args.vllm_python, model_dir, sets, [], args.new_tokens, "float32"
             )
