@@ -263,6 +263,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.rows <= 0 or args.rows % 8 != 0:
         parser.error("--rows must be a positive multiple of 8 (the float16 tile's rows)")
+    chunks = [int(chunk) for chunk in args.chunks.split(",")]
+    if not all(0 < chunk <= 255 for chunk in chunks):
+        parser.error("--chunks must lie in 1..255: a longer float16 sum could overflow")
     from loraplex.engine.default_model import resolve_model
     from loraplex.kernels import cpu_lora
 
@@ -289,7 +292,7 @@ def main() -> None:
             x = torch.randn(args.rows, k, generator=generator)
             x[:, ::97] *= 20
             x = x.to(torch.bfloat16).float().contiguous()
-            for chunk in map(int, args.chunks.split(",")):
+            for chunk in chunks:
                 out = (ctypes.c_double * 5)()
                 lib.compare(
                     x.data_ptr(), w.data_ptr(), args.rows, k, n, chunk, args.reps, args.threads, out
