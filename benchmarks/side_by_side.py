@@ -190,7 +190,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--vllm-float32", action="store_true",
-        help="vLLM's float32 base run where bfloat16 is native too (always run where it is not)",
+        help="vLLM's float32 base on any CPU (always where bfloat16 is emulated or at half rate)",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per system (median)")
     args = parser.parse_args()
