@@ -7,9 +7,9 @@ engine's bfloat16 products go through float32 FMAs (cpu_lora.dpbf16_half_rate, t
 so side_by_side.py's throughput there is bounded by the float32 FMA peak (flop_ceiling.py).
 This measures, in one run:
 
-- the peak rate of float32 FMAs, of float16 FMAs and of vdpbf16ps on 1 and 2 threads (a C
-  loop of independent chains, built as the kernels are);
-- a decode step's products of 32 rows on SmolLM2's first layer (q, gate and up, down), W in
+- the peak rate of float32 FMAs (flop_ceiling.fma_peak), of float16 FMAs and of vdpbf16ps on 1
+  and 2 threads (C loops of independent chains, built as the kernels are);
+- a decode step's products of 32 rows on the model's first layer (q, gate and up, down), W in
   L2, through two scratch tiles: W's bfloat16 widened to float32 and 4 rows by 96 columns of
   float32 FMAs over all of k, as the FMA build does; and W and x as float16 (each scaled by a
   power of two, W's per matrix and x's per row, so that their largest element lies in [8, 16):
@@ -43,22 +43,15 @@ PROBE = r"""
 #define CHAINS 12
 #define COLS 96
 
-/* FLOP/s of `iters` iterations of CHAINS independent instructions of `kind` on `threads`:
- * 0 float32 FMA (16 lanes), 1 float16 FMA (32 lanes), 2 vdpbf16ps (16 lanes of pairs) */
-double peak(int kind, int64_t iters, int threads) {
+/* FLOP/s of `iters` iterations of CHAINS independent instructions on `threads`: float16 FMAs
+ * (32 lanes), or with `dpbf16` vdpbf16ps (16 lanes of pairs); the float32 FMAs' loop is
+ * flop_ceiling.py's */
+double peak(int dpbf16, int64_t iters, int threads) {
     float kept = 0.0f;
     const double start = omp_get_wtime();
 #pragma omp parallel num_threads(threads) reduction(+ : kept)
     {
-        if (kind == 0) {
-            __m512 s[CHAINS];
-            for (int c = 0; c < CHAINS; c++) s[c] = _mm512_set1_ps(0.001f * c);
-            const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
-            for (int64_t i = 0; i < iters; i++)
-#pragma GCC unroll 16
-                for (int c = 0; c < CHAINS; c++) s[c] = _mm512_fmadd_ps(s[c], a, b);
-            for (int c = 0; c < CHAINS; c++) kept += _mm512_cvtss_f32(s[c]);
-        } else if (kind == 1) {
+        if (!dpbf16) {
             __m512h s[CHAINS];
             for (int c = 0; c < CHAINS; c++) s[c] = _mm512_set1_ph((_Float16)(0.001f * c));
             const __m512h a = _mm512_set1_ph((_Float16)1.0f), b = _mm512_set1_ph((_Float16)0.0f);
@@ -79,7 +72,7 @@ double peak(int kind, int64_t iters, int threads) {
     const double seconds = omp_get_wtime() - start;
     volatile float sink = kept;
     (void)sink;
-    const double lanes = kind == 1 ? 32 : 16, flops = kind == 2 ? 4 : 2;
+    const double lanes = dpbf16 ? 16 : 32, flops = dpbf16 ? 4 : 2;
     return flops * lanes * CHAINS * (double)iters * threads / seconds;
 }
 
@@ -140,14 +133,6 @@ static void f16_tile(const _Float16 *xh, const float *xs, const _Float16 *wh, fl
     }
 }
 
-static float bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* the power of two that brings a largest element `largest` into [8, 16) */
 static float scale_of(float largest) {
     int e;
@@ -155,17 +140,15 @@ static float scale_of(float largest) {
     return ldexpf(1.0f, e - 4);
 }
 
-/* x [m, k] (m a multiple of 8), w [n, k] (n a multiple of 96): each tile's best time of `reps`
- * on `threads` (out[0], out[1], seconds) and rms errors against float64 (out[2] float32 tile,
- * out[3] float16 tile, out[4] the float32 tile's outputs rounded to bfloat16) */
+/* x [m, k] (m a multiple of 8), w [n, k] (n a multiple of 96) -> y32 and y16 [m, n], each
+ * tile's; their best times of `reps` on `threads` in seconds (out[0], out[1]) */
 void compare(const float *x, const float *w, int64_t m, int64_t k, int64_t n, int64_t chunk,
-             int reps, int threads, double *out) {
+             int reps, int threads, float *y32, float *y16, double *out) {
     const int64_t blocks = n / COLS;
     float *wf = aligned_alloc(64, sizeof(float) * n * k);
     _Float16 *wh = aligned_alloc(64, sizeof(_Float16) * n * k);
     _Float16 *xh = malloc(sizeof(_Float16) * m * k);
-    float *xs = malloc(sizeof(float) * m), *y32 = malloc(sizeof(float) * m * n);
-    float *y16 = malloc(sizeof(float) * m * n), wmax = 0.0f;
+    float *xs = malloc(sizeof(float) * m), wmax = 0.0f;
     for (int64_t i = 0; i < n * k; i++) wmax = fmaxf(wmax, fabsf(w[i]));
     const float ws = scale_of(wmax);
     for (int64_t j = 0; j < n; j++)
@@ -194,21 +177,7 @@ void compare(const float *x, const float *w, int64_t m, int64_t k, int64_t n, in
         out[0] = fmin(out[0], t1 - t0);
         out[1] = fmin(out[1], t2 - t1);
     }
-    double e32 = 0, e16 = 0, ebf = 0, norm = 0;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < n; j++) {
-            double ref = 0;
-            for (int64_t p = 0; p < k; p++) ref += (double)x[i * k + p] * w[j * k + p];
-            const double a = y32[i * n + j], h = y16[i * n + j], r = bf16_round(y32[i * n + j]);
-            norm += ref * ref;
-            e32 += (a - ref) * (a - ref);
-            e16 += (h - ref) * (h - ref);
-            ebf += (r - ref) * (r - ref);
-        }
-    out[2] = sqrt(e32 / norm);
-    out[3] = sqrt(e16 / norm);
-    out[4] = sqrt(ebf / norm);
-    free(wf), free(wh), free(xh), free(xs), free(y32), free(y16);
+    free(wf), free(wh), free(xh), free(xs);
 }
 """
 
@@ -226,29 +195,25 @@ def load(folder: Path) -> ctypes.CDLL:
     lib.peak.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     lib.peak.restype = ctypes.c_double
     lib.compare.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
-    lib.compare.argtypes += [ctypes.c_void_p]
+    lib.compare.argtypes += [ctypes.c_void_p] * 3
     return lib
 
 
 def first_layer(model_dir: Path) -> dict[str, torch.Tensor]:
-    """SmolLM2's first layer's q, gate and up (stacked, as the engine fuses them) and down
+    """The model's first layer's q, gate and up (fused, as the engine loads them) and down
     weights, bfloat16 values as float32."""
-    from safetensors import safe_open
+    from loraplex.engine.checkpoint import load_weights
+    from loraplex.engine.config import ModelConfig
 
-    prefix = "model.layers.0.mlp."
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as weights:
-        q = weights.get_tensor("model.layers.0.self_attn.q_proj.weight")
-        gate_up = torch.cat(
-            [
-                weights.get_tensor(prefix + "gate_proj.weight"),
-                weights.get_tensor(prefix + "up_proj.weight"),
-            ]
-        )
-        down = weights.get_tensor(prefix + "down_proj.weight")
-    return {
-        name: t.to(torch.bfloat16).float().contiguous()
-        for name, t in (("q", q), ("gate_up", gate_up), ("down", down))
-    }
+    config = ModelConfig.from_dir(model_dir)
+    layer = load_weights(model_dir, config, torch.bfloat16, "cpu").layers[0]
+    products = {"q": layer.qkv[: config.q_size], "gate_up": layer.gate_up, "down": layer.down}
+    return {name: w.float().contiguous() for name, w in products.items()}
+
+
+def rms_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    """The root mean square of y - reference, relative to reference's."""
+    return float((y.double() - reference).norm() / reference.norm())
 
 
 def main() -> None:
@@ -266,6 +231,8 @@ def main() -> None:
     chunks = [int(chunk) for chunk in args.chunks.split(",")]
     if not all(0 < chunk <= 255 for chunk in chunks):
         parser.error("--chunks must lie in 1..255: a longer float16 sum could overflow")
+    from flop_ceiling import fma_peak
+
     from loraplex.engine.default_model import resolve_model
     from loraplex.kernels import cpu_lora
 
@@ -273,15 +240,13 @@ def main() -> None:
         raise SystemExit("this CPU offers no AVX512-FP16 or no AVX512-BF16: nothing to measure")
     with tempfile.TemporaryDirectory() as tmp:
         lib = load(Path(tmp))
-        lib.peak(0, 10_000_000, args.threads)  # clocks up
         for threads in (1, args.threads):
-            rates = [
-                max(lib.peak(kind, 20_000_000, threads) for _ in range(3)) for kind in range(3)
-            ]
+            f32 = fma_peak(threads, Path(tmp))  # clocks up too
+            f16, dp = (max(lib.peak(dp, 20_000_000, threads) for _ in range(3)) for dp in (0, 1))
             print(
-                f"peak on {threads} thread(s): float32 FMA {rates[0] / 1e9:.1f} GFLOP/s, float16 "
-                f"FMA {rates[1] / 1e9:.1f} ({rates[1] / rates[0]:.2f}x), vdpbf16ps "
-                f"{rates[2] / 1e9:.1f} ({rates[2] / rates[0]:.2f}x)"
+                f"peak on {threads} thread(s): float32 FMA {f32 / 1e9:.1f} GFLOP/s, float16 "
+                f"FMA {f16 / 1e9:.1f} ({f16 / f32:.2f}x), vdpbf16ps {dp / 1e9:.1f} "
+                f"({dp / f32:.2f}x)"
             )
         generator = torch.Generator().manual_seed(0)
         for name, w in first_layer(resolve_model(args.model)).items():
@@ -292,17 +257,22 @@ def main() -> None:
             x = torch.randn(args.rows, k, generator=generator)
             x[:, ::97] *= 20
             x = x.to(torch.bfloat16).float().contiguous()
+            reference = x.double() @ w.double().T
+            y32, y16 = torch.empty(args.rows, n), torch.empty(args.rows, n)
             for chunk in chunks:
-                out = (ctypes.c_double * 5)()
+                out = (ctypes.c_double * 2)()
                 lib.compare(
-                    x.data_ptr(), w.data_ptr(), args.rows, k, n, chunk, args.reps, args.threads, out
-                )
+                    x.data_ptr(), w.data_ptr(), args.rows, k, n, chunk, args.reps, args.threads,
+                    y32.data_ptr(), y16.data_ptr(), out,
+                )  # fmt: skip
                 flop = 2.0 * args.rows * k * n
+                rounded = y32.to(torch.bfloat16)  # as the engine rounds its outputs
                 print(
                     f"{name:8s} {args.rows} x {k} -> {n}, chunk {chunk:3d}: float32 tile "
                     f"{flop / out[0] / 1e9:6.1f} GFLOP/s, float16 tile {flop / out[1] / 1e9:6.1f} "
-                    f"({out[0] / out[1]:.2f}x); rms error: float32 {out[2]:.1e}, float16 "
-                    f"{out[3]:.1e}, bfloat16 outputs {out[4]:.1e}"
+                    f"({out[0] / out[1]:.2f}x); rms error: float32 "
+                    f"{rms_error(y32, reference):.1e}, float16 {rms_error(y16, reference):.1e}, "
+                    f"bfloat16 outputs {rms_error(rounded, reference):.1e}"
                 )
 
 

@@ -248,6 +248,13 @@ def rows_fetched(model, rows: int) -> str:
     return f"q,k,v rows fetched {by}: the engine's timed choice of {', '.join(steps.ways)}"
 
 
+def still_timing(model) -> bool:
+    """Whether the model's steps like its last batch's with LoRA still take the ways to fetch
+    their rows in turn, to time them (engine/fetch_placement.py), not the one way kept."""
+    steps = model._steps
+    return model.fetch_placement.measuring(steps.key, steps.ways)
+
+
 def adapter_bytes(engine) -> int:
     """Bytes of the weights of every resident adapter, at the pool's dtype."""
     return sum(resident.nbytes for resident in engine.adapters.resident.values())

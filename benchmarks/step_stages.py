@@ -42,6 +42,7 @@ from lora_floor import (
     decode_steps,
     load_random_adapters,
     rows_fetched,
+    still_timing,
 )
 
 STAGES = (
@@ -125,7 +126,7 @@ def main() -> None:
         for _ in range(20):  # past the prefills
             engine.step()
         lm = engine.runner.model
-        if lm.fetch_placement.measuring(lm._steps.key, lm._steps.ways):
+        if still_timing(lm):
             raise SystemExit("the engine is still timing how its steps fetch rows: warm up longer")
         samples: dict[bool, list[list[float]]] = {True: [], False: []}
         context = []
