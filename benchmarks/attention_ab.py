@@ -5,14 +5,14 @@
                                       [--define NAME ...] [--undefine NAME ...]
 
 Builds the kernels' C sources of the working tree and of git revision REV, each into a library
-of its own, for this machine or for another x86-64 target (x86-64-v3: the build for CPUs
-without AVX-512, run here), and times one layer's decode attention of 32 sequences of --tokens
-tokens each (SmolLM2's heads: 9 query heads on 3 kv heads of 64), their KV pages scattered
-through the cache, with a 64 MiB read before each call so that the keys come from memory as a
-decode step's do. The builds alternate call by call; it prints each one's median and the
-median of the paired differences, and whether the two gave the same bits. --define NAME builds
-REV with the macro NAME defined too, --undefine NAME without that macro of this machine's flags
-(as layers_ab.py).
+of its own, for this machine or for another x86-64 target (x86-64-v3: the build for CPUs without
+AVX-512, run here), and times one layer's decode attention of 32 sequences of --tokens tokens
+each (SmolLM2's heads: 9 query heads on 3 kv heads of 64), their KV pages scattered through a
+cache held in 2 MiB pages as the engine's pool is (engine/device.py), with a 64 MiB read before
+each call so that the keys come from memory as a decode step's do. The builds alternate call by
+call; it prints each one's median and the median of the paired differences, and whether the two
+gave the same bits. --define NAME builds REV with the macro NAME defined too, --undefine NAME
+without that macro of this machine's flags (as layers_ab.py).
 """
 
 from __future__ import annotations
@@ -43,12 +43,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
+    from loraplex.engine.device import zeros_in_huge_pages
     from loraplex.kernels import cpu_lora
 
     n, dtype = args.sequences, getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(0)
     pages_each = -(-args.tokens // PAGE_SIZE)
-    kv = torch.randn(n * pages_each, PAGE_SIZE, 2, KV_HEADS, DIM, generator=generator).to(dtype)
+    shape = (n * pages_each, PAGE_SIZE, 2, KV_HEADS, DIM)
+    kv = zeros_in_huge_pages(shape, dtype, "cpu")  # held as the engine's page pool is
+    kv.copy_(torch.randn(shape, generator=generator))
     tables = torch.randperm(n * pages_each, generator=generator).view(n, pages_each).contiguous()
     lens = torch.full((n,), args.tokens)
     q = torch.randn(n, HEADS, DIM, generator=generator).to(dtype)
