@@ -11,9 +11,11 @@ attention_ab.py times it, four ways alternated round by round in one process:
   step, where 30 layers' caches and weights pass between two calls on one layer);
 - the call right after the same call (what of its rows the caches kept);
 - the call with every sequence on the first one's pages: the same arithmetic on rows in cache,
-  so what it costs without memory;
+  so what it costs without memory (its fetches differ: with one page table the kernel fetches no
+  next sequence, each pass fetching its own rows instead);
 - the same pages as the first way reads (each sequence's, the threads taking half of them each,
-  in order) read by plain loads from memory: what the box gives this pattern of reads.
+  in order, where the kernel hands sequences out as its threads come free) read by plain loads
+  from memory: what the box gives this pattern of reads.
 
 Where the call from memory takes about the sum of its arithmetic and the plain read, the two do
 not overlap; at the larger of the two they would overlap fully.

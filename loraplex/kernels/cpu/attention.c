@@ -119,10 +119,10 @@ DEFINE_PASSES(scores_bf16_any, values_bf16_any, uint16_t, dot_bf16, axpy_bf16)
  * token's attention (a token attends to few keys, and the loop ran for each of its heads); with
  * AVX2 eight at a time, where that loop took 4.4% of a float32 decode call's samples (perf, 32
  * sequences of 128 tokens, their rows in cache) on a 2-core Zen 3 (family 25, model 1): a call
- * then took 0.965x as long, its keys in cache or not, and 0.983x and 0.985x at 128 and 300
- * tokens (benchmarks/attention_ab.py); a decode step was level (1.005x, layers_ab.py). The
- * same bits: a zero's sign, the one thing the order can change, leaves the exponentials' as
- * they were. */
+ * then took 0.965x as long, its keys in cache or not (0.957x and 0.979x in a first harness), and
+ * 0.983x and 0.985x at 128 and 300 tokens (benchmarks/attention_ab.py); a decode step was level
+ * (1.005x, layers_ab.py). The same bits: a zero's sign, the one thing the order can change,
+ * leaves the exponentials' as they were. */
 static inline float max_of(const float *x, int64_t n) {
     int64_t i = 0;
     float top = -INFINITY;
@@ -130,7 +130,7 @@ static inline float max_of(const float *x, int64_t n) {
     __m512 tops = _mm512_set1_ps(-INFINITY);
     for (; i + 16 <= n; i += 16) tops = _mm512_max_ps(_mm512_loadu_ps(x + i), tops);
     top = _mm512_reduce_max_ps(tops);
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
     __m256 tops = _mm256_set1_ps(-INFINITY); /* a NaN loaded loses to the lane's top */
     for (; i + 8 <= n; i += 8) tops = _mm256_max_ps(_mm256_loadu_ps(x + i), tops);
     __m128 four = _mm_max_ps(_mm256_castps256_ps128(tops), _mm256_extractf128_ps(tops, 1));
