@@ -29,6 +29,25 @@ from kernel_ab import add_macro_options, against, alternate, build_at, other_lab
 HEADS, KV_HEADS, DIM, PAGE_SIZE = 9, 3, 64, 16
 
 
+def scattered_decode(
+    n: int, tokens: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode attention call's arguments (q, kv, tables, lens) for n sequences of `tokens`
+    tokens, SmolLM2's heads, their pages in random order through a cache held in 2 MiB pages as
+    the engine's page pool is; the same values for the same arguments."""
+    from loraplex.engine.device import zeros_in_huge_pages
+
+    generator = torch.Generator().manual_seed(0)
+    pages_each = -(-tokens // PAGE_SIZE)
+    shape = (n * pages_each, PAGE_SIZE, 2, KV_HEADS, DIM)
+    kv = zeros_in_huge_pages(shape, dtype, "cpu")
+    kv.copy_(torch.randn(shape, generator=generator))
+    tables = torch.randperm(n * pages_each, generator=generator).view(n, pages_each).contiguous()
+    lens = torch.full((n,), tokens)
+    q = torch.randn(n, HEADS, DIM, generator=generator).to(dtype)
+    return q, kv, tables, lens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -43,18 +62,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    from loraplex.engine.device import zeros_in_huge_pages
     from loraplex.kernels import cpu_lora
 
     n, dtype = args.sequences, getattr(torch, args.dtype)
-    generator = torch.Generator().manual_seed(0)
-    pages_each = -(-args.tokens // PAGE_SIZE)
-    shape = (n * pages_each, PAGE_SIZE, 2, KV_HEADS, DIM)
-    kv = zeros_in_huge_pages(shape, dtype, "cpu")  # held as the engine's page pool is
-    kv.copy_(torch.randn(shape, generator=generator))
-    tables = torch.randperm(n * pages_each, generator=generator).view(n, pages_each).contiguous()
-    lens = torch.full((n,), args.tokens)
-    q = torch.randn(n, HEADS, DIM, generator=generator).to(dtype)
+    q, kv, tables, lens = scattered_decode(n, args.tokens, dtype)
     scale = DIM**-0.5
     other = torch.ones(64 * 2**20 // 4)  # read before each call: the caches hold none of kv
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,15 +27,14 @@ import argparse
 import ctypes
 import functools
 import statistics
-import subprocess
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from attention_ab import DIM, KV_HEADS, PAGE_SIZE, scattered_decode
+from kernel_ab import alternate, compile_scratch
 
-HEADS, KV_HEADS, DIM, PAGE_SIZE, SEQUENCES = 9, 3, 64, 16, 32
+SEQUENCES = 32
 
 READ = r"""
 #include <stdint.h>
@@ -55,15 +54,7 @@ uint64_t read_ranges(const int64_t *at, const int64_t *bytes, int64_t n, int thr
 
 
 def load_reader(folder: Path) -> ctypes.CDLL:
-    from loraplex.kernels import cpu_lora
-
-    source, target = folder / "read_ranges.c", folder / "read_ranges.so"
-    source.write_text(READ)
-    subprocess.run(
-        cpu_lora.compile_command(cpu_lora._compiler(), [source], target, cpu_lora.FLAGS),
-        check=True,
-    )
-    lib = ctypes.CDLL(str(target))
+    lib = compile_scratch(folder, "read_ranges", READ)
     lib.read_ranges.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.read_ranges.restype = ctypes.c_uint64
     return lib
@@ -79,7 +70,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
 
-    from loraplex.engine.device import zeros_in_huge_pages
     from loraplex.kernels import cpu_lora
 
     kernel = cpu_lora.CpuAttentionKernel(cpu_lora.library())
@@ -88,16 +78,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         reader = load_reader(Path(tmp))
         for tokens in (int(t) for t in args.tokens.split(",")):
-            generator = torch.Generator().manual_seed(0)
-            pages_each = -(-tokens // PAGE_SIZE)
-            shape = (n * pages_each, PAGE_SIZE, 2, KV_HEADS, DIM)
-            kv = zeros_in_huge_pages(shape, dtype, "cpu")
-            kv.copy_(torch.randn(shape, generator=generator))
-            tables = torch.randperm(n * pages_each, generator=generator).view(n, pages_each)
-            tables = tables.contiguous()
+            q, kv, tables, lens = scattered_decode(n, tokens, dtype)
+            pages_each = tables.shape[1]
             one_sequence = tables[:1].expand(n, pages_each).contiguous()
-            lens = torch.full((n,), tokens)
-            q = torch.randn(n, HEADS, DIM, generator=generator).to(dtype)
             row_bytes = 2 * KV_HEADS * DIM * kv.element_size()
             page_bytes = kv.stride(0) * kv.element_size()
             at = (kv.data_ptr() + tables.flatten() * page_bytes).contiguous()
@@ -109,19 +92,19 @@ def main() -> None:
             read = functools.partial(
                 reader.read_ranges, at.data_ptr(), spans.data_ptr(), at.numel(), 2
             )
-            ways = {  # name: (untimed before, timed)
-                "from memory": (other.sum, functools.partial(decode, tables=tables)),
-                "right after a call": (
-                    functools.partial(decode, tables=tables),
-                    functools.partial(decode, tables=tables),
-                ),
-                "rows in cache": (
-                    functools.partial(decode, tables=one_sequence),
-                    functools.partial(decode, tables=one_sequence),
-                ),
-                "plain read": (other.sum, read),
+            runs = {
+                "from memory": functools.partial(decode, tables=tables),
+                "right after a call": functools.partial(decode, tables=tables),
+                "rows in cache": functools.partial(decode, tables=one_sequence),
+                "plain read": read,
             }
-            times = alternate_ways(args.rounds, ways)
+            before = {  # untimed, just before each: what its caches hold
+                "from memory": other.sum,
+                "right after a call": runs["right after a call"],
+                "rows in cache": runs["rows in cache"],
+                "plain read": other.sum,
+            }
+            times = alternate(args.rounds, runs, before)
             median = {name: statistics.median(values) for name, values in times.items()}
             total = n * tokens * row_bytes
             print(
@@ -137,23 +120,6 @@ def main() -> None:
                 f"  from memory / (rows in cache + plain read) {cold / (arithmetic + plain):.2f}x, "
                 f"/ the larger of the two {cold / max(arithmetic, plain):.2f}x"
             )
-
-
-def alternate_ways(
-    rounds: int, ways: dict[str, tuple[Callable[[], object], Callable[[], object]]]
-) -> dict[str, list[float]]:
-    """The seconds of each way's timed call, its untimed one just before it, the ways' order
-    turning by one each round."""
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    names = list(ways)
-    for i in range(rounds):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            before, timed = ways[name]
-            before()
-            started = time.perf_counter()
-            timed()
-            times[name].append(time.perf_counter() - started)
-    return times
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+from kernel_ab import compile_scratch
 
 PROBE = r"""
 #include <immintrin.h>
@@ -183,15 +183,7 @@ void compare(const float *x, const float *w, int64_t m, int64_t k, int64_t n, in
 
 
 def load(folder: Path) -> ctypes.CDLL:
-    from loraplex.kernels import cpu_lora
-
-    source, target = folder / "fp16_products.c", folder / "fp16_products.so"
-    source.write_text(PROBE)
-    flags = cpu_lora.FLAGS  # -march=native: this CPU's AVX512-FP16
-    subprocess.run(
-        cpu_lora.compile_command(cpu_lora._compiler(), [source], target, flags), check=True
-    )
-    lib = ctypes.CDLL(str(target))
+    lib = compile_scratch(folder, "fp16_products", PROBE)  # -march=native: AVX512-FP16
     lib.peak.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     lib.peak.restype = ctypes.c_double
     lib.compare.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2

@@ -74,20 +74,36 @@ def build_at(
 
 
 def alternate(
-    rounds: int, runs: dict[str, Callable[[], object]], before: Callable[[], object] | None = None
+    rounds: int,
+    runs: dict[str, Callable[[], object]],
+    before: Callable[[], object] | dict[str, Callable[[], object]] | None = None,
 ) -> dict[str, list[float]]:
     """The seconds of each of `runs` (name -> function), called once a round, their order
-    alternating round by round; `before` (untimed) ahead of each call."""
+    alternating round by round; `before` (untimed) ahead of each call, or, as a dict, ahead of
+    each run's own."""
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
         for name in names if i % 2 == 0 else names[::-1]:
-            if before is not None:
-                before()
+            first = before.get(name) if isinstance(before, dict) else before
+            if first is not None:
+                first()
             started = time.perf_counter()
             runs[name]()
             times[name].append(time.perf_counter() - started)
     return times
+
+
+def compile_scratch(folder: Path, name: str, source: str) -> ctypes.CDLL:
+    """A benchmark's own C `source` built as the kernels are (cpu_lora.FLAGS: -march=native,
+    OpenMP) into folder/name.so, loaded."""
+    from loraplex.kernels import cpu_lora
+
+    path, target = folder / f"{name}.c", folder / f"{name}.so"
+    path.write_text(source)
+    command = cpu_lora.compile_command(cpu_lora._compiler(), [path], target, cpu_lora.FLAGS)
+    subprocess.run(command, check=True)
+    return ctypes.CDLL(str(target))
 
 
 def against(ours: list[float], theirs: list[float], revision: str, unit: str, per: str) -> str:
