@@ -5,7 +5,7 @@
 
 One layer's decode attention of 32 sequences (SmolLM2's heads: 9 query heads on 3 kv heads of
 64), their KV pages scattered through a cache held in 2 MiB pages as the engine's pool is, as
-attention_ab.py times it, four ways alternated round by round in one process:
+attention_ab.py times it, five ways alternated round by round in one process:
 
 - the call with its keys and values from memory (a 64 MiB read before it, as in a decode
   step, where 30 layers' caches and weights pass between two calls on one layer);
@@ -15,7 +15,10 @@ attention_ab.py times it, four ways alternated round by round in one process:
   next sequence, each pass fetching its own rows instead);
 - the same pages as the first way reads (each sequence's, the threads taking half of them each,
   in order, where the kernel hands sequences out as its threads come free) read by plain loads
-  from memory: what the box gives this pattern of reads.
+  from memory: what the box gives this pattern of reads;
+- the same pages brought into L2 by prefetches alone (`prefetcht1`, a line each, as the kernel
+  fetches): how fast the hint brings them in with nothing else to do (the call returns once
+  its last prefetch is issued, a few lines' wait short of their arrival).
 
 Where the call from memory takes about the sum of its arithmetic and the plain read, the two do
 not overlap; at the larger of the two they would overlap fully.
@@ -40,13 +43,17 @@ READ = r"""
 #include <stdint.h>
 
 /* Reads ranges [at[i], at[i] + bytes[i]) by plain loads, the threads taking them in order,
- * half each; returns a sum of what was read, so that nothing is left out. */
-uint64_t read_ranges(const int64_t *at, const int64_t *bytes, int64_t n, int threads) {
+ * half each; returns a sum of what was read, so that nothing is left out. With `hint`, only
+ * prefetches them into L2, a line each, and returns 0. */
+uint64_t read_ranges(const int64_t *at, const int64_t *bytes, int64_t n, int threads, int hint) {
     uint64_t total = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : total)
     for (int64_t i = 0; i < n; i++) {
-        const uint64_t *p = (const uint64_t *)at[i];
-        for (int64_t w = 0; w < bytes[i] / 8; w++) total += p[w];
+        const char *p = (const char *)at[i];
+        if (hint)
+            for (int64_t off = 0; off < bytes[i]; off += 64) __builtin_prefetch(p + off, 0, 2);
+        else
+            for (int64_t w = 0; w < bytes[i] / 8; w++) total += ((const uint64_t *)p)[w];
     }
     return total;
 }
@@ -55,7 +62,9 @@ uint64_t read_ranges(const int64_t *at, const int64_t *bytes, int64_t n, int thr
 
 def load_reader(folder: Path) -> ctypes.CDLL:
     lib = compile_scratch(folder, "read_ranges", READ)
-    lib.read_ranges.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.read_ranges.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int
+    ]  # fmt: skip
     lib.read_ranges.restype = ctypes.c_uint64
     return lib
 
@@ -96,13 +105,15 @@ def main() -> None:
                 "from memory": functools.partial(decode, tables=tables),
                 "right after a call": functools.partial(decode, tables=tables),
                 "rows in cache": functools.partial(decode, tables=one_sequence),
-                "plain read": read,
+                "plain read": functools.partial(read, 0),
+                "prefetched": functools.partial(read, 1),
             }
             before = {  # untimed, just before each: what its caches hold
                 "from memory": other.sum,
                 "right after a call": runs["right after a call"],
                 "rows in cache": runs["rows in cache"],
                 "plain read": other.sum,
+                "prefetched": other.sum,
             }
             times = alternate(args.rounds, runs, before)
             median = {name: statistics.median(values) for name, values in times.items()}
