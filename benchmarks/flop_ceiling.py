@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 from engine_throughput import model_flops
+from kernel_ab import compile_scratch
 from multi_lora_throughput import run_peft_switching
 from side_by_side import ALL_MODULES, random_adapters, run_loraplex, workload
 
@@ -87,14 +87,9 @@ double fma_peak(int64_t iters, int threads) {
 
 def fma_peak(threads: int, folder: Path, tries: int = 5) -> float:
     """The best of `tries` runs of the probe on `threads` threads, FLOP/s."""
-    from loraplex.kernels import cpu_lora
-
-    source, target = folder / "fma_peak.c", folder / "fma_peak.so"
-    if not target.exists():
-        source.write_text(PROBE)
-        command = cpu_lora.compile_command(cpu_lora._compiler(), [source], target)
-        subprocess.run(command, check=True)
-    lib = ctypes.CDLL(str(target))
+    target = folder / "fma_peak.so"  # built once a folder
+    built = target.exists()
+    lib = ctypes.CDLL(str(target)) if built else compile_scratch(folder, "fma_peak", PROBE)
     lib.fma_peak.argtypes = [ctypes.c_int64, ctypes.c_int]
     lib.fma_peak.restype = ctypes.c_double
     lib.fma_peak(10_000_000, threads)  # clocks up

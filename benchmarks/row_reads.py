@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import tempfile
 from pathlib import Path
+
+from kernel_ab import compile_scratch
 
 HIDDEN, KV, INTERMEDIATE, RANK, LAYERS, TOKENS = 576, 192, 1536, 16, 30, 32
 # (A row width, B^T row width) of each module, SmolLM2-135M
@@ -231,12 +232,7 @@ double layers_ahead(const char *pool, const int64_t *at, int64_t layers, int64_t
 
 
 def build(folder: Path) -> ctypes.CDLL:
-    from loraplex.kernels import cpu_lora
-
-    source, target = folder / "row_reads.c", folder / "row_reads.so"
-    source.write_text(SOURCE)
-    subprocess.run(cpu_lora.compile_command(cpu_lora._compiler(), [source], target), check=True)
-    lib = ctypes.CDLL(str(target))
+    lib = compile_scratch(folder, "row_reads", SOURCE)
     lib.read_rows.restype = ctypes.c_double
     lib.read_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
     lib.read_rows.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
