@@ -11,14 +11,18 @@ A rate-limited request waits and is retried, it does not fail.
 
 Several server processes may share the registry: a process claims a job before running it and
 renews its claim as it goes; another takes a job over only once the claim has gone stale
-(LEASE_POLLS polls without renewal: its process stopped). The job's files live under the data
-dir, which the processes must then share.
+(LEASE_POLLS polls without renewal, LEASE_MIN_SECONDS at least: its process stopped). A process
+that finds its claim taken stops running the job. The job's files live under the data dir,
+which the processes must then share; a line is written under a lock on the job's folder and
+only if no process wrote one for its request (`JobFiles`), so a late process that ran a request
+again still leaves one line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import time
@@ -45,7 +49,8 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_LINES = 50_000  # OpenAI's bound per batch
 MAX_ERRORS_SHOWN = 20
 ESTIMATED_MAX_TOKENS = 256  # a request without max_tokens, when checking a token budget
-LEASE_POLLS = 10  # a claim not renewed for this many polls is stale
+LEASE_POLLS = 10  # a claim not renewed for this many polls is stale,
+LEASE_MIN_SECONDS = 10.0  # and for at least this long: a busy process may renew late
 RETRY_SECONDS = 1.0  # a request refused for load waits this long unless the refusal says
 
 
@@ -117,17 +122,72 @@ def estimated_tokens(item: dict) -> int:
     return len(json.dumps(prompt)) // 4 + (most if isinstance(most, int) else 0) * n
 
 
-def done_ids(path: Path) -> set[str]:
-    """custom_ids already written to an output or error file; a half-written last line (the
-    server stopped while writing it) is cut off."""
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        data = data[: data.rfind(b"\n") + 1]
-        with path.open("r+b") as file:
-            file.truncate(len(data))
-    return {json.loads(line)["custom_id"] for line in data.splitlines() if line.strip()}
+class JobFiles:
+    """A job's output and error files, which every process running the job appends to: a line
+    is written under an exclusive lock on the job's folder, and only if no process has written
+    one for its request, so each request has exactly one line however the claims went."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self._paths = {True: folder / "output.jsonl", False: folder / "errors.jsonl"}
+        self._lock_path = folder / "lock"
+        self._read = {True: 0, False: 0}  # bytes of each file already taken into `_done`
+        self._done = {True: set(), False: set()}
+        with self._locked():
+            self._catch_up()
+
+    @property
+    def succeeded(self) -> set[str]:
+        return self._done[True]
+
+    @property
+    def failed(self) -> set[str]:
+        return self._done[False]
+
+    def has(self, custom_id: str) -> bool:
+        """Whether some process wrote a line for the request (as of the last look)."""
+        return custom_id in self._done[True] or custom_id in self._done[False]
+
+    def look(self) -> None:
+        """Take in the lines other processes wrote since the last look."""
+        with self._locked():
+            self._catch_up()
+
+    def record(self, custom_id: str, line: dict, ok: bool) -> bool:
+        """Append the request's line unless one is there already; -> whether it was written."""
+        with self._locked():
+            self._catch_up()
+            if self.has(custom_id):
+                return False
+            data = (json.dumps(line) + "\n").encode()
+            with self._paths[ok].open("ab") as file:
+                file.write(data)
+            self._read[ok] += len(data)
+            self._done[ok].add(custom_id)
+            return True
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with self._lock_path.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            yield
+
+    def _catch_up(self) -> None:
+        """Read what was appended since the last look (under the lock). A half-written last
+        line can only be left by a process that stopped while writing it: it is cut off, and
+        its request runs again."""
+        for ok, path in self._paths.items():
+            if not path.exists():
+                continue
+            with path.open("r+b") as file:
+                file.seek(self._read[ok])
+                data = file.read()
+                whole = data[: data.rfind(b"\n") + 1]
+                if len(whole) < len(data):
+                    file.truncate(self._read[ok] + len(whole))
+            lines = (json.loads(raw) for raw in whole.splitlines() if raw.strip())
+            self._done[ok].update(line["custom_id"] for line in lines)
+            self._read[ok] += len(whole)
 
 
 def _internal_request(app: FastAPI, path: str, body: bytes, origin: BatchOrigin) -> Request:
@@ -214,7 +274,7 @@ class BatchRunner:
     def _claim(self, session) -> list[str]:
         """The active jobs this process runs, after claiming those free or gone stale."""
         now = time.time()
-        stale = now - LEASE_POLLS * self.poll_seconds
+        stale = now - max(LEASE_POLLS * self.poll_seconds, LEASE_MIN_SECONDS)
         mine = []
         for job in session.scalars(select(BatchJob).where(BatchJob.status.in_(ACTIVE))):
             claimed = session.execute(
@@ -242,6 +302,8 @@ class BatchRunner:
                 job = await self._validate(job)
             if job.status == "in_progress":
                 job = await self._execute(job)
+                if job is None:
+                    return
             if job.status in ("finalizing", "cancelling", "expired"):
                 await self._finalize(job)
         except asyncio.CancelledError:
@@ -265,13 +327,20 @@ class BatchRunner:
 
         return await self.platform.db.run(change)
 
-    async def _save(self, batch_id: str, counts: dict) -> None:
-        def save(session) -> None:
-            job = session.get(BatchJob, batch_id)
-            job.completed, job.failed = counts["completed"], counts["failed"]
-            job.heartbeat_at = time.time()  # the claim holds
+    async def _save(self, batch_id: str, files: JobFiles) -> bool:
+        """Save the counts of the job's files and renew this process's claim on the job;
+        -> False (nothing saved) if the claim is another process's now."""
+        completed, failed = len(files.succeeded), len(files.failed)
 
-        await self.platform.db.run(save)
+        def save(session) -> bool:
+            renewed = session.execute(
+                update(BatchJob)
+                .where(BatchJob.id == batch_id, BatchJob.runner == self.runner_id)
+                .values(completed=completed, failed=failed, heartbeat_at=time.time())
+            )
+            return bool(renewed.rowcount)
+
+        return await self.platform.db.run(save)
 
     def _input_path(self, job: BatchJob) -> Path | None:
         stored = self.platform.db.transaction(lambda s: s.get(StoredFile, job.input_file_id))
@@ -305,7 +374,8 @@ class BatchRunner:
         )
         return [_error("token_limit_exceeded", message)]
 
-    async def _execute(self, job: BatchJob) -> BatchJob:
+    async def _execute(self, job: BatchJob) -> BatchJob | None:
+        """Run the requests without a line yet. -> the job after, None if it was lost."""
         path = await asyncio.to_thread(self._input_path, job)
         if path is None:
             return await self._set(
@@ -313,40 +383,43 @@ class BatchRunner:
             )
         requests, _ = await asyncio.to_thread(parse_input, path, job.endpoint)
         folder = job_dir(self.platform.settings.data_dir, job.id)
-        folder.mkdir(parents=True, exist_ok=True)
-        output, errors = folder / "output.jsonl", folder / "errors.jsonl"
-        succeeded = await asyncio.to_thread(done_ids, output)
-        failed = await asyncio.to_thread(done_ids, errors)
+        files = await asyncio.to_thread(JobFiles, folder)  # the files are the truth
         queue: asyncio.Queue[dict] = asyncio.Queue()
         for item in requests:
-            if item["custom_id"] not in succeeded | failed:
+            if not files.has(item["custom_id"]):
                 queue.put_nowait(item)
-        counts = {"completed": len(succeeded), "failed": len(failed)}  # the files are the truth
-        with output.open("a", encoding="utf-8") as out, errors.open("a", encoding="utf-8") as err:
 
-            async def worker() -> None:
-                while not queue.empty():
-                    item = queue.get_nowait()
-                    line, ok = await self._run_line(job, item)
-                    (out if ok else err).write(json.dumps(line) + "\n")
-                    (out if ok else err).flush()
-                    counts["completed" if ok else "failed"] += 1
+        async def worker() -> None:
+            while not queue.empty():
+                item = queue.get_nowait()
+                await asyncio.to_thread(files.look)
+                if files.has(item["custom_id"]):
+                    continue  # a process that held the job before ran it
+                line, ok = await self._run_line(job, item)
+                await asyncio.to_thread(files.record, item["custom_id"], line, ok)
 
-            workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
-            status = await self._supervise(job, workers, counts)
-        await self._save(job.id, counts)
+        workers = [asyncio.create_task(worker()) for _ in range(self.concurrency)]
+        status = await self._supervise(job, workers, files)
+        await asyncio.to_thread(files.look)  # lines a late process wrote count too
+        if status is None or not await self._save(job.id, files):
+            return None  # another process took the job over
         if status == "in_progress":
             return await self._set(job.id, "finalizing")
         return await self._get(job.id)
 
-    async def _supervise(self, job: BatchJob, workers: list[asyncio.Task], counts: dict) -> str:
-        """Wait for the workers, saving the counts as they go; stop them if the job is cancelled
-        or expires. -> the job's status then."""
+    async def _supervise(
+        self, job: BatchJob, workers: list[asyncio.Task], files: JobFiles
+    ) -> str | None:
+        """Wait for the workers, saving the counts and renewing the claim as they go; stop them
+        if the job is cancelled or expires, or once the claim is another process's (it found
+        this one silent past the lease). -> the job's status then, None if the job was lost."""
         pending = set(workers)
         try:
             while pending:
                 _, pending = await asyncio.wait(pending, timeout=self.poll_seconds)
-                await self._save(job.id, counts)
+                if not await self._save(job.id, files):
+                    logger.warning("batch %s: another process took the job over", job.id)
+                    return None
                 status = (await self._get(job.id)).status  # cancelled through any process?
                 if status == "in_progress" and time.time() > job.expires_at:
                     status = (await self._set(job.id, "expired")).status
@@ -361,6 +434,7 @@ class BatchRunner:
         finally:
             for task in pending:
                 task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _run_line(self, job: BatchJob, item: dict) -> tuple[dict, bool]:
         """(the output line of one request, whether it succeeded)."""

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from loraplex.engine import async_engine
 from loraplex.engine.api import (
     AdapterError,
     AsyncEngine,
@@ -145,9 +146,11 @@ def test_adapters_through_the_async_api(engine, tiny_adapters, tiny_llama):
     assert after.resident == () and after.free_pages + after.cached_pages == after.num_pages
 
 
-def test_an_interactive_arrival_holds_background_work_for_a_moment_only(engine):
+def test_an_interactive_arrival_holds_background_work_for_a_moment_only(engine, monkeypatch):
     """While an interactive request is prepared, batch-tier steps wait; released, or past the
-    hold's cap (a caller that never gets there), they go on."""
+    hold's cap (a caller that never gets there), they go on. The cap is lengthened here, so
+    that a slow machine's pauses fall inside it."""
+    monkeypatch.setattr(async_engine, "HOLD_SECONDS", 3.0)
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     background = Fairness("bulk", 1.0, Tier.BATCH)
 
@@ -164,21 +167,26 @@ def test_an_interactive_arrival_holds_background_work_for_a_moment_only(engine):
             await asyncio.sleep(seconds)
             return produced[0] - before
 
+        async def quiet() -> None:  # a step already running ends and its tokens arrive
+            for _ in range(20):
+                if not await progress_after(0.05):
+                    return
+
         task = asyncio.create_task(drain())
         while produced[0] < 5:
             assert not task.done(), task.exception()
             await asyncio.sleep(0.005)
         try:
             release = engine.hold_background()
-            await asyncio.sleep(0.005)  # a step already running ends
-            held = await progress_after(0.03)
+            await quiet()  # with the hold broken, it never gets quiet: `held` fails
+            held = await progress_after(0.2)
             # an interactive request is not held back
             interactive = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
             _, tokens, _, _ = await collect(engine, "a cat sleeps", interactive)
             release()
             released = await progress_after(0.3)
             engine.hold_background()  # never released: the cap lets background work go on
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(3.1)
             past_the_cap = await progress_after(0.3)
         finally:
             task.cancel()

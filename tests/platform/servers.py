@@ -104,13 +104,15 @@ def start_server(
     return server
 
 
-def wait_ready(server: Server, timeout: float = 120) -> None:
+def wait_ready(server: Server, timeout: float = 300) -> None:
+    """Until /ready answers 200; generous, for a machine slowed by its neighbours (a Ray
+    cluster of four replicas on two cores takes most of a minute even on a quiet one)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             raise RuntimeError(f"the server exited:\n{server.output()[-3000:]}")
         try:
-            if httpx.get(f"{server.url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{server.url}/ready", timeout=10).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

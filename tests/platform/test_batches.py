@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import signal
 import statistics
 import time
@@ -13,7 +14,7 @@ import time
 import openai
 import pytest
 
-from loraplex.platform.batches import done_ids
+from loraplex.platform.batches import JobFiles
 from tests.platform.servers import create_database, start_server
 
 MODEL = "llama"
@@ -295,9 +296,45 @@ def test_a_half_written_last_line_is_dropped_and_run_again(tmp_path):
     output = tmp_path / "output.jsonl"
     lines = [json.dumps({"custom_id": f"req-{i}", "response": {}}) for i in range(2)]
     output.write_text(lines[0] + "\n" + lines[1] + "\n" + '{"custom_id": "req-2", "resp')
-    assert done_ids(output) == {"req-0", "req-1"}  # req-2 runs again
+    files = JobFiles(tmp_path)
+    assert files.succeeded == {"req-0", "req-1"} and files.failed == set()  # req-2 runs again
     assert output.read_text() == lines[0] + "\n" + lines[1] + "\n"
-    assert done_ids(tmp_path / "none.jsonl") == set()
+    assert files.record("req-2", {"custom_id": "req-2", "response": {}}, ok=True)
+    assert JobFiles(tmp_path).succeeded == {"req-0", "req-1", "req-2"}
+
+
+def _record_all(folder, count: int, start, results) -> None:
+    files = JobFiles(folder)
+    start.wait(timeout=60)  # both processes write at once
+    written = sum(
+        files.record(f"req-{i}", {"custom_id": f"req-{i}"}, ok=i % 3 > 0) for i in range(count)
+    )
+    results.put(written)
+
+
+def test_two_processes_running_one_job_leave_one_line_a_request(tmp_path):
+    """The case of a claim taken over from a process that was only slow: both run the same
+    requests at once, and each request still gets exactly one line in one of the files."""
+    context = multiprocessing.get_context("spawn")
+    results, start = context.Queue(), context.Barrier(2)
+    processes = [
+        context.Process(target=_record_all, args=(tmp_path, 300, start, results)) for _ in range(2)
+    ]
+    for process in processes:
+        process.start()
+    written = [results.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    lines = [
+        json.loads(raw)
+        for name in ("output.jsonl", "errors.jsonl")
+        for raw in (tmp_path / name).read_text().splitlines()
+    ]
+    ids = [line["custom_id"] for line in lines]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(300))
+    assert sum(written) == 300
+    errors = {json.loads(raw)["custom_id"] for raw in (tmp_path / "errors.jsonl").open()}
+    assert errors == {f"req-{i}" for i in range(300) if i % 3 == 0}
 
 
 def test_two_servers_on_one_registry_run_a_job_once(tmp_path, tiny_llama):
@@ -322,3 +359,41 @@ def test_two_servers_on_one_registry_run_a_job_once(tmp_path, tiny_llama):
     assert batch.status == "completed" and batch.request_counts.completed == 30
     assert sorted(line["custom_id"] for line in out) == sorted(f"req-{i}" for i in range(30))
     assert usage["requests"] == 30  # no request ran twice
+
+
+def test_a_job_taken_over_from_a_stalled_server_still_has_one_line_a_request(tmp_path, tiny_llama):
+    """A server that stops renewing its claim (here: suspended, as a starved process may be)
+    loses the job to another past the lease; woken while the other runs it, it finds the claim
+    gone and stops, and what it finishes late is not written a second time."""
+    url, drop = create_database()
+    options = dict(
+        served_model_name=MODEL, database_url=url, batch_concurrency=4, batch_poll_seconds=0.1
+    )
+    first = start_server(tiny_llama, tmp_path / "shared", **options)
+    second = None
+    try:
+        client = new_client(first)
+        batch = submit(client, [request_line(i, 64) for i in range(120)])
+        wait_for(client, batch.id, lambda b: b.request_counts.completed >= 4)
+        first.process.send_signal(signal.SIGSTOP)  # requests in flight, the claim left to age
+        second = start_server(tiny_llama, tmp_path / "shared", **options)
+        client = openai.OpenAI(base_url=second.api, api_key=client.api_key)
+        taken = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 12)
+        first.process.send_signal(signal.SIGCONT)  # both would run the job now
+        batch = wait_for(client, batch.id, finished)
+        deadline = time.monotonic() + 30
+        while "took the job over" not in first.output() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out = output_lines(client, batch.output_file_id)
+        written = (tmp_path / "shared" / "batches" / batch.id / "output.jsonl").read_text()
+    finally:
+        first.process.send_signal(signal.SIGCONT)
+        first.stop()
+        if second is not None:
+            second.stop()
+        drop()
+    assert taken.status == "in_progress" and taken.request_counts.completed < 120
+    assert "another process took the job over" in first.output()
+    assert batch.status == "completed" and batch.request_counts.completed == 120
+    assert sorted(line["custom_id"] for line in out) == sorted(f"req-{i}" for i in range(120))
+    assert len(written.splitlines()) == 120  # nothing the woken server finished was added
