@@ -1,0 +1,120 @@
+"""Whether a software prefetch brings its lines into cache on this CPU, as a plain read does.
+
+    python benchmarks/prefetch_lands.py [--mib 0.5] [--wait-us 0,100] [--rounds 41]
+
+The engine hides LoRA rows' reads behind a projection's arithmetic with prefetch hints (a line
+each, `prefetcht1`; cpu/linear.h). This asks the CPU what such a hint leaves in cache. On one
+core, a range smaller than L2 (`--mib`), cold (64 MiB of another buffer read before each way),
+is brought in one of these ways, then after `--wait-us` of spinning its lines are read once each
+in a shuffled order (a load a line, so that the hardware prefetchers cannot guess them):
+
+- nothing: the read finds every line in memory;
+- `prefetcht0`, `prefetcht1` (the engine's hint), `prefetcht2`, `prefetchnta`: a hint a line;
+- a plain read of the range, in order (where the hardware's stream prefetchers run ahead);
+- a read of the range in the shuffled order (demand loads alone): every line in cache.
+
+It prints each way's median read time and the share of the way from nothing to the shuffled
+read that it covered: 100% where a way's lines are found as the demand loads' are, 0% where it
+leaves nothing in cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import tempfile
+from pathlib import Path
+
+from kernel_ab import compile_scratch
+
+WAYS = (
+    "nothing", "prefetcht0", "prefetcht1", "prefetcht2", "prefetchnta", "plain read",
+    "shuffled read",
+)  # fmt: skip
+
+PROBE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+static int cmp(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* medians[w] for the seven ways in order (see the module's docstring); -> a checksum */
+uint64_t probe(int64_t bytes, double wait_us, int rounds, double *medians) {
+    const int64_t lines = bytes / 64, slots = 32, other_bytes = (int64_t)64 << 20;
+    char *region = aligned_alloc(1 << 21, (size_t)(slots * (bytes + 4096)));
+    char *other = aligned_alloc(1 << 21, (size_t)other_bytes);
+    int64_t *order = malloc(sizeof(int64_t) * lines);
+    double *times = malloc(sizeof(double) * 7 * rounds);
+    memset(region, 1, (size_t)(slots * (bytes + 4096)));
+    memset(other, 2, (size_t)other_bytes);
+    for (int64_t i = 0; i < lines; i++) order[i] = i * 64;
+    srand(1);
+    for (int64_t i = lines - 1; i > 0; i--) {
+        const int64_t j = rand() % (i + 1), x = order[i];
+        order[i] = order[j], order[j] = x;
+    }
+    uint64_t sum = 0;
+    for (int r = 0; r < rounds; r++)
+        for (int w = 0; w < 7; w++) {
+            const char *b = region + ((r * 7 + w) % slots) * (bytes + 4096);
+            for (int64_t i = 0; i < other_bytes; i += 64) sum += other[i];
+            for (int64_t i = 0; i < bytes; i += 64) switch (w) {
+                case 1: __builtin_prefetch(b + i, 0, 3); break;
+                case 2: __builtin_prefetch(b + i, 0, 2); break;
+                case 3: __builtin_prefetch(b + i, 0, 1); break;
+                case 4: __builtin_prefetch(b + i, 0, 0); break;
+                case 5: sum += *(volatile const char *)(b + i); break;
+                case 6: sum += *(volatile const char *)(b + order[i / 64]); break;
+            }
+            for (const double t = now_us(); now_us() - t < wait_us;) {}
+            const double t = now_us();
+            for (int64_t i = 0; i < lines; i++) sum += *(volatile const char *)(b + order[i]);
+            times[w * rounds + r] = now_us() - t;
+        }
+    for (int w = 0; w < 7; w++) {
+        qsort(times + w * rounds, rounds, sizeof(double), cmp);
+        medians[w] = times[w * rounds + rounds / 2];
+    }
+    free(region), free(other), free(order), free(times);
+    return sum;
+}
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mib", type=float, default=0.5)
+    parser.add_argument("--wait-us", default="0,100")
+    parser.add_argument("--rounds", type=int, default=41)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = compile_scratch(Path(tmp), "prefetch_probe", PROBE)  # loaded: the file may go
+    lib.probe.argtypes = [ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_void_p]
+    lib.probe.restype = ctypes.c_uint64
+    size = int(args.mib * 2**20) // 64 * 64
+    for wait in (float(w) for w in args.wait_us.split(",")):
+        medians = (ctypes.c_double * len(WAYS))()
+        lib.probe(size, wait, args.rounds, medians)
+        cold, warm = medians[0], medians[-1]
+        print(f"{size / 2**20:.2f} MiB, one core, read in a shuffled order {wait:.0f} us after:")
+        for way, took in zip(WAYS, medians, strict=True):
+            covered = (cold - took) / (cold - warm) if cold > warm else float("nan")
+            share = f"  {covered:6.0%} of the way" if 0 < WAYS.index(way) < len(WAYS) - 1 else ""
+            print(f"  {way:<12} {took:8.1f} us{share}")
+
+
+if __name__ == "__main__":
+    main()
