@@ -10,6 +10,8 @@ in a shuffled order (a load a line, so that the hardware prefetchers cannot gues
 
 - nothing: the read finds every line in memory;
 - `prefetcht0`, `prefetcht1` (the engine's hint), `prefetcht2`, `prefetchnta`: a hint a line;
+- `prefetcht1` over the whole range twice, and four times: where hints are dropped, a hint
+  given again may land;
 - a plain read of the range, in order (where the hardware's stream prefetchers run ahead);
 - a read of the range in the shuffled order (demand loads alone): every line in cache.
 
@@ -28,8 +30,8 @@ from pathlib import Path
 from kernel_ab import compile_scratch
 
 WAYS = (
-    "nothing", "prefetcht0", "prefetcht1", "prefetcht2", "prefetchnta", "plain read",
-    "shuffled read",
+    "nothing", "prefetcht0", "prefetcht1", "prefetcht2", "prefetchnta", "prefetcht1 x2",
+    "prefetcht1 x4", "plain read", "shuffled read",
 )  # fmt: skip
 
 PROBE = r"""
@@ -49,13 +51,13 @@ static int cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* medians[w] for the seven ways in order (see the module's docstring); -> a checksum */
+/* medians[w] for the nine ways in order (see the module's docstring); -> a checksum */
 uint64_t probe(int64_t bytes, double wait_us, int rounds, double *medians) {
     const int64_t lines = bytes / 64, slots = 32, other_bytes = (int64_t)64 << 20;
     char *region = aligned_alloc(1 << 21, (size_t)(slots * (bytes + 4096)));
     char *other = aligned_alloc(1 << 21, (size_t)other_bytes);
     int64_t *order = malloc(sizeof(int64_t) * lines);
-    double *times = malloc(sizeof(double) * 7 * rounds);
+    double *times = malloc(sizeof(double) * 9 * rounds);
     memset(region, 1, (size_t)(slots * (bytes + 4096)));
     memset(other, 2, (size_t)other_bytes);
     for (int64_t i = 0; i < lines; i++) order[i] = i * 64;
@@ -66,23 +68,25 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, double *medians) {
     }
     uint64_t sum = 0;
     for (int r = 0; r < rounds; r++)
-        for (int w = 0; w < 7; w++) {
-            const char *b = region + ((r * 7 + w) % slots) * (bytes + 4096);
+        for (int w = 0; w < 9; w++) {
+            const char *b = region + ((r * 9 + w) % slots) * (bytes + 4096);
             for (int64_t i = 0; i < other_bytes; i += 64) sum += other[i];
-            for (int64_t i = 0; i < bytes; i += 64) switch (w) {
-                case 1: __builtin_prefetch(b + i, 0, 3); break;
-                case 2: __builtin_prefetch(b + i, 0, 2); break;
-                case 3: __builtin_prefetch(b + i, 0, 1); break;
-                case 4: __builtin_prefetch(b + i, 0, 0); break;
-                case 5: sum += *(volatile const char *)(b + i); break;
-                case 6: sum += *(volatile const char *)(b + order[i / 64]); break;
-            }
+            const int passes = w == 5 ? 2 : w == 6 ? 4 : 1;
+            for (int pass = 0; pass < passes; pass++)
+                for (int64_t i = 0; i < bytes; i += 64) switch (w) {
+                    case 1: __builtin_prefetch(b + i, 0, 3); break;
+                    case 2: case 5: case 6: __builtin_prefetch(b + i, 0, 2); break;
+                    case 3: __builtin_prefetch(b + i, 0, 1); break;
+                    case 4: __builtin_prefetch(b + i, 0, 0); break;
+                    case 7: sum += *(volatile const char *)(b + i); break;
+                    case 8: sum += *(volatile const char *)(b + order[i / 64]); break;
+                }
             for (const double t = now_us(); now_us() - t < wait_us;) {}
             const double t = now_us();
             for (int64_t i = 0; i < lines; i++) sum += *(volatile const char *)(b + order[i]);
             times[w * rounds + r] = now_us() - t;
         }
-    for (int w = 0; w < 7; w++) {
+    for (int w = 0; w < 9; w++) {
         qsort(times + w * rounds, rounds, sizeof(double), cmp);
         medians[w] = times[w * rounds + rounds / 2];
     }
