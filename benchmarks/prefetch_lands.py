@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -46,18 +47,13 @@ static double now_us(void) {
     return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
 }
 
-static int cmp(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* medians[w] for the nine ways in order (see the module's docstring); -> a checksum */
-uint64_t probe(int64_t bytes, double wait_us, int rounds, double *medians) {
+/* times[w * rounds + r]: round r's read after way w (the nine ways in the docstring's order);
+ * -> a checksum */
+uint64_t probe(int64_t bytes, double wait_us, int rounds, double *times) {
     const int64_t lines = bytes / 64, slots = 32, other_bytes = (int64_t)64 << 20;
     char *region = aligned_alloc(1 << 21, (size_t)(slots * (bytes + 4096)));
     char *other = aligned_alloc(1 << 21, (size_t)other_bytes);
     int64_t *order = malloc(sizeof(int64_t) * lines);
-    double *times = malloc(sizeof(double) * 9 * rounds);
     memset(region, 1, (size_t)(slots * (bytes + 4096)));
     memset(other, 2, (size_t)other_bytes);
     for (int64_t i = 0; i < lines; i++) order[i] = i * 64;
@@ -86,11 +82,7 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, double *medians) {
             for (int64_t i = 0; i < lines; i++) sum += *(volatile const char *)(b + order[i]);
             times[w * rounds + r] = now_us() - t;
         }
-    for (int w = 0; w < 9; w++) {
-        qsort(times + w * rounds, rounds, sizeof(double), cmp);
-        medians[w] = times[w * rounds + rounds / 2];
-    }
-    free(region), free(other), free(order), free(times);
+    free(region), free(other), free(order);
     return sum;
 }
 """
@@ -110,13 +102,17 @@ def main() -> None:
     lib.probe.restype = ctypes.c_uint64
     size = int(args.mib * 2**20) // 64 * 64
     for wait in (float(w) for w in args.wait_us.split(",")):
-        medians = (ctypes.c_double * len(WAYS))()
-        lib.probe(size, wait, args.rounds, medians)
+        times = (ctypes.c_double * (len(WAYS) * args.rounds))()
+        lib.probe(size, wait, args.rounds, times)
+        medians = [
+            statistics.median(times[w * args.rounds : (w + 1) * args.rounds])
+            for w in range(len(WAYS))
+        ]
         cold, warm = medians[0], medians[-1]
         print(f"{size / 2**20:.2f} MiB, one core, read in a shuffled order {wait:.0f} us after:")
-        for way, took in zip(WAYS, medians, strict=True):
+        for w, (way, took) in enumerate(zip(WAYS, medians, strict=True)):
             covered = (cold - took) / (cold - warm) if cold > warm else float("nan")
-            share = f"  {covered:6.0%} of the way" if 0 < WAYS.index(way) < len(WAYS) - 1 else ""
+            share = f"  {covered:6.0%} of the way" if 0 < w < len(WAYS) - 1 else ""
             print(f"  {way:<12} {took:8.1f} us{share}")
 
 

@@ -133,8 +133,7 @@ class JobFiles:
         self._lock_path = folder / "lock"
         self._read = {True: 0, False: 0}  # bytes of each file already taken into `_done`
         self._done = {True: set(), False: set()}
-        with self._locked():
-            self._catch_up()
+        self.look()
 
     @property
     def succeeded(self) -> set[str]:
@@ -424,10 +423,7 @@ class BatchRunner:
                 if status == "in_progress" and time.time() > job.expires_at:
                     status = (await self._set(job.id, "expired")).status
                 if status != "in_progress":
-                    for task in pending:
-                        task.cancel()
-                    await asyncio.gather(*pending, return_exceptions=True)
-                    return status
+                    return status  # the workers left are stopped below
             for task in workers:
                 task.result()  # a worker's own failure fails the job
             return "in_progress"
