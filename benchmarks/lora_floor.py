@@ -19,7 +19,9 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
 * what the base step itself reads (the weights and the sequences' KV cache) and how long that
   takes at the bandwidth read between the pairs: where the q,v floor is more than 5% of the
   base step, 0.95x needs the rows fetched while the step computes, and the rest of the base
-  step is where that can happen;
+  step is where that can happen; and so the most the step with adapters can run at against
+  base, were all its bytes read at that rate and all else hidden behind the reads (where that
+  is under 0.95x, the q,v target is out of reach at the box's bandwidth of the minute);
 * the q,v target as the issue words it, on throughput: the whole workload (the sequences'
   prompts prefilled, then 64 new tokens each, greedy, EOS ignored, as side_by_side.py runs it)
   with the q,v adapters and on the base model, `--workload-rounds` runs of each, in turn and
@@ -182,23 +184,27 @@ def beside_pairs(steps: Steps, size: int) -> str:
     )
 
 
-def base_reads(config, dtype: torch.dtype, steps: Steps) -> str:
+def base_reads(config, dtype: torch.dtype, steps: Steps, size: int) -> str:
     """What a base decode step itself reads from memory, as a line to print: every projection's
     weights and the LM head, and the KV cache of its sequences; and the time that takes at the
     median of the reads between the pairs. q,v's 0.95x allows an extra of about 5% of the base
     step; where the rows' floor is more, a fetch has to carry them in the part of the step that
-    does not stream."""
+    does not stream. Then the most the step with `size` adapter bytes can run at against base
+    were its every byte read from memory at that rate, with all the rest of its work hidden
+    behind the reads: base step / max(base step, all its bytes / the rate)."""
     from loraplex.engine.kv_cache import kv_page_numel
 
-    c, size = config, dtype.itemsize
-    weights = (c.num_layers * layer_weights(c) + c.vocab_size * c.hidden_size) * size
-    kv = steps.context * kv_page_numel(c, 1) * size  # a page of one token: every layer's K and V
+    c, itemsize = config, dtype.itemsize
+    weights = (c.num_layers * layer_weights(c) + c.vocab_size * c.hidden_size) * itemsize
+    kv = steps.context * kv_page_numel(c, 1) * itemsize  # a one-token page: every layer's K, V
     during = statistics.median(steps.bandwidth)
     streaming = (weights + kv) / during
+    least = max(steps.without, (weights + kv + size) / during)
     return (
         f"the base step reads {weights / 2**20:.0f} MiB of weights and {kv / 2**20:.0f} MiB of "
         f"KV cache ({steps.context:.0f} tokens): {streaming * 1e3:.1f} ms of its "
-        f"{steps.without * 1e3:.1f} ms at {during / 1e9:.1f} GB/s"
+        f"{steps.without * 1e3:.1f} ms at {during / 1e9:.1f} GB/s; with the adapters' bytes "
+        f"at that rate, {least * 1e3:.1f} ms at least, {steps.without / least:.2f}x base at most"
     )
 
 
@@ -355,7 +361,7 @@ def main() -> None:
             f"extra over base {r.extra * 1e3:6.2f} ms = {r.extra / floor:.2f}x floor"
         )
         print(f"    {beside_pairs(r, size)}")
-        print(f"    {base_reads(config, torch_dtype, r)}")
+        print(f"    {base_reads(config, torch_dtype, r, size)}")
         r = again[name]
         print(f"    again after the strategies: {step_against_base(r)}; {beside_pairs(r, size)}")
         if name == "q,v" and workload is not None:
