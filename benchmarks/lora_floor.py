@@ -21,7 +21,8 @@ prints, for 32 sequences decoding together (64 prompt tokens each, then steady d
   base step, 0.95x needs the rows fetched while the step computes, and the rest of the base
   step is where that can happen; and so the most the step with adapters can run at against
   base, were all its bytes read at that rate and all else hidden behind the reads (where that
-  is under 0.95x, the q,v target is out of reach at the box's bandwidth of the minute);
+  is under 0.95x, the q,v target is likely out of reach at the box's bandwidth of the
+  minute: the bound is of reads from memory, and some may come from L3);
 * the q,v target as the issue words it, on throughput: the whole workload (the sequences'
   prompts prefilled, then 64 new tokens each, greedy, EOS ignored, as side_by_side.py runs it)
   with the q,v adapters and on the base model, `--workload-rounds` runs of each, in turn and
