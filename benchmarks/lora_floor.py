@@ -200,7 +200,7 @@ def base_reads(config, dtype: torch.dtype, steps: Steps, size: int) -> str:
     kv = steps.context * kv_page_numel(c, 1) * itemsize  # a one-token page: every layer's K, V
     during = statistics.median(steps.bandwidth)
     streaming = (weights + kv) / during
-    least = max(steps.without, (weights + kv + size) / during)
+    least = max(steps.without, streaming + size / during)
     return (
         f"the base step reads {weights / 2**20:.0f} MiB of weights and {kv / 2**20:.0f} MiB of "
         f"KV cache ({steps.context:.0f} tokens): {streaming * 1e3:.1f} ms of its "
