@@ -1,6 +1,6 @@
 """Whether a software prefetch brings its lines into cache on this CPU, as a plain read does.
 
-    python benchmarks/prefetch_lands.py [--mib 0.5] [--wait-us 0,100] [--rounds 41]
+    python benchmarks/prefetch_lands.py [--mib 0.5] [--wait-us 0,100] [--rounds 41] [--pace 8]
 
 The engine hides LoRA rows' reads behind a projection's arithmetic with prefetch hints (a line
 each, `prefetcht1`; cpu/linear.h). This asks the CPU what such a hint leaves in cache. On one
@@ -12,6 +12,9 @@ in a shuffled order (a load a line, so that the hardware prefetchers cannot gues
 - `prefetcht0`, `prefetcht1` (the engine's hint), `prefetcht2`, `prefetchnta`: a hint a line;
 - `prefetcht1` over the whole range twice, and four times: where hints are dropped, a hint
   given again may land;
+- `prefetcht1` paced: a hint a line, each after `--pace` steps of a chain of dependent
+  multiplies and adds, as the engine's hints come between a projection's arithmetic rather than in
+  one burst (the hints' rate, per line and in GB/s, is printed beside it);
 - a plain read of the range, in order (where the hardware's stream prefetchers run ahead);
 - a read of the range in the shuffled order (demand loads alone): every line in cache.
 
@@ -32,8 +35,9 @@ from kernel_ab import compile_scratch
 
 WAYS = (
     "nothing", "prefetcht0", "prefetcht1", "prefetcht2", "prefetchnta", "prefetcht1 x2",
-    "prefetcht1 x4", "plain read", "shuffled read",
+    "prefetcht1 x4", "prefetcht1 paced", "plain read", "shuffled read",
 )  # fmt: skip
+PACED = WAYS.index("prefetcht1 paced")
 
 PROBE = r"""
 #include <stdint.h>
@@ -47,9 +51,12 @@ static double now_us(void) {
     return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
 }
 
-/* times[w * rounds + r]: round r's read after way w (the nine ways in the docstring's order);
- * -> a checksum */
-uint64_t probe(int64_t bytes, double wait_us, int rounds, double *times) {
+/* times[w * rounds + r]: round r's read after way w (the ten ways in the docstring's order),
+ * issued[r]: round r's time to issue the paced hints; -> a checksum */
+uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, double *times,
+               double *issued) {
+    volatile float seed = 1.0f;
+    float chain = seed;
     const int64_t lines = bytes / 64, slots = 32, other_bytes = (int64_t)64 << 20;
     char *region = aligned_alloc(1 << 21, (size_t)(slots * (bytes + 4096)));
     char *other = aligned_alloc(1 << 21, (size_t)other_bytes);
@@ -64,25 +71,32 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, double *times) {
     }
     uint64_t sum = 0;
     for (int r = 0; r < rounds; r++)
-        for (int w = 0; w < 9; w++) {
-            const char *b = region + ((r * 9 + w) % slots) * (bytes + 4096);
+        for (int w = 0; w < 10; w++) {
+            const char *b = region + ((r * 10 + w) % slots) * (bytes + 4096);
             for (int64_t i = 0; i < other_bytes; i += 64) sum += other[i];
             const int passes = w == 5 ? 2 : w == 6 ? 4 : 1;
+            const double issue = now_us();
             for (int pass = 0; pass < passes; pass++)
                 for (int64_t i = 0; i < bytes; i += 64) switch (w) {
                     case 1: __builtin_prefetch(b + i, 0, 3); break;
                     case 2: case 5: case 6: __builtin_prefetch(b + i, 0, 2); break;
                     case 3: __builtin_prefetch(b + i, 0, 1); break;
                     case 4: __builtin_prefetch(b + i, 0, 0); break;
-                    case 7: sum += *(volatile const char *)(b + i); break;
-                    case 8: sum += *(volatile const char *)(b + order[i / 64]); break;
+                    case 7:
+                        for (int s = 0; s < pace; s++) chain = chain * 0.999999f + 1e-7f;
+                        __builtin_prefetch(b + i, 0, 2);
+                        break;
+                    case 8: sum += *(volatile const char *)(b + i); break;
+                    case 9: sum += *(volatile const char *)(b + order[i / 64]); break;
                 }
+            if (w == 7) issued[r] = now_us() - issue;
             for (const double t = now_us(); now_us() - t < wait_us;) {}
             const double t = now_us();
             for (int64_t i = 0; i < lines; i++) sum += *(volatile const char *)(b + order[i]);
             times[w * rounds + r] = now_us() - t;
         }
     free(region), free(other), free(order);
+    seed = chain;
     return sum;
 }
 """
@@ -95,15 +109,19 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=0.5)
     parser.add_argument("--wait-us", default="0,100")
     parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--pace", type=int, default=8, help="multiply and add steps a hint")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         lib = compile_scratch(Path(tmp), "prefetch_probe", PROBE)  # loaded: the file may go
-    lib.probe.argtypes = [ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_void_p]
+    lib.probe.argtypes = [ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_int]
+    lib.probe.argtypes += [ctypes.c_void_p, ctypes.c_void_p]
     lib.probe.restype = ctypes.c_uint64
     size = int(args.mib * 2**20) // 64 * 64
     for wait in (float(w) for w in args.wait_us.split(",")):
         times = (ctypes.c_double * (len(WAYS) * args.rounds))()
-        lib.probe(size, wait, args.rounds, times)
+        issued = (ctypes.c_double * args.rounds)()
+        lib.probe(size, wait, args.rounds, args.pace, times, issued)
+        issue_us = statistics.median(issued)
         medians = [
             statistics.median(times[w * args.rounds : (w + 1) * args.rounds])
             for w in range(len(WAYS))
@@ -113,7 +131,10 @@ def main() -> None:
         for w, (way, took) in enumerate(zip(WAYS, medians, strict=True)):
             covered = (cold - took) / (cold - warm) if cold > warm else float("nan")
             share = f"  {covered:6.0%} of the way" if 0 < w < len(WAYS) - 1 else ""
-            print(f"  {way:<12} {took:8.1f} us{share}")
+            if w == PACED:
+                per_line = issue_us * 1e3 / (size // 64)
+                share += f"  (hints {per_line:.1f} ns a line, {size / issue_us / 1e3:.1f} GB/s)"
+            print(f"  {way:<16} {took:8.1f} us{share}")
 
 
 if __name__ == "__main__":
