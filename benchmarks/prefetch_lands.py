@@ -1,10 +1,12 @@
 """Whether a software prefetch brings its lines into cache on this CPU, as a plain read does.
 
     python benchmarks/prefetch_lands.py [--mib 0.5] [--wait-us 0,100] [--rounds 41] [--pace 8]
+                                        [--threads 1]
 
 The engine hides LoRA rows' reads behind a projection's arithmetic with prefetch hints (a line
 each, `prefetcht1`; cpu/linear.h). This asks the CPU what such a hint leaves in cache. On one
-core, a range smaller than L2 (`--mib`), cold (64 MiB of another buffer read before each way),
+core (or on `--threads` cores at once, each with its own buffers, as the engine's threads hint
+together), a range smaller than L2 (`--mib`), cold (64 MiB of another buffer read before each way),
 is brought in one of these ways, then after `--wait-us` of spinning its lines are read once each
 in a shuffled order (a load a line, so that the hardware prefetchers cannot guess them):
 
@@ -40,6 +42,7 @@ WAYS = (
 PACED = WAYS.index("prefetcht1 paced")
 
 PROBE = r"""
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,53 +54,65 @@ static double now_us(void) {
     return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
 }
 
-/* times[w * rounds + r]: round r's read after way w (the ten ways in the docstring's order),
- * issued[r]: round r's time to issue the paced hints; -> a checksum */
-uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, double *times,
+/* On `threads` cores at once, each with buffers of its own and in step with the others at each
+ * phase: times[(t * 10 + w) * rounds + r], thread t's read in round r after way w (the ten ways
+ * in the docstring's order), issued[t * rounds + r] its time to issue the paced hints;
+ * -> a checksum */
+uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads, double *times,
                double *issued) {
-    volatile float seed = 1.0f;
-    float chain = seed;
     const int64_t lines = bytes / 64, slots = 32, other_bytes = (int64_t)64 << 20;
-    char *region = aligned_alloc(1 << 21, (size_t)(slots * (bytes + 4096)));
-    char *other = aligned_alloc(1 << 21, (size_t)other_bytes);
-    int64_t *order = malloc(sizeof(int64_t) * lines);
-    memset(region, 1, (size_t)(slots * (bytes + 4096)));
-    memset(other, 2, (size_t)other_bytes);
+    int64_t *order = malloc(sizeof(int64_t) * lines); /* the read's order, every thread's */
     for (int64_t i = 0; i < lines; i++) order[i] = i * 64;
     srand(1);
     for (int64_t i = lines - 1; i > 0; i--) {
         const int64_t j = rand() % (i + 1), x = order[i];
         order[i] = order[j], order[j] = x;
     }
-    uint64_t sum = 0;
-    for (int r = 0; r < rounds; r++)
-        for (int w = 0; w < 10; w++) {
-            const char *b = region + ((r * 10 + w) % slots) * (bytes + 4096);
-            for (int64_t i = 0; i < other_bytes; i += 64) sum += other[i];
-            const int passes = w == 5 ? 2 : w == 6 ? 4 : 1;
-            const double issue = now_us();
-            for (int pass = 0; pass < passes; pass++)
-                for (int64_t i = 0; i < bytes; i += 64) switch (w) {
-                    case 1: __builtin_prefetch(b + i, 0, 3); break;
-                    case 2: case 5: case 6: __builtin_prefetch(b + i, 0, 2); break;
-                    case 3: __builtin_prefetch(b + i, 0, 1); break;
-                    case 4: __builtin_prefetch(b + i, 0, 0); break;
-                    case 7:
-                        for (int s = 0; s < pace; s++) chain = chain * 0.999999f + 1e-7f;
-                        __builtin_prefetch(b + i, 0, 2);
-                        break;
-                    case 8: sum += *(volatile const char *)(b + i); break;
-                    case 9: sum += *(volatile const char *)(b + order[i / 64]); break;
-                }
-            if (w == 7) issued[r] = now_us() - issue;
-            for (const double t = now_us(); now_us() - t < wait_us;) {}
-            const double t = now_us();
-            for (int64_t i = 0; i < lines; i++) sum += *(volatile const char *)(b + order[i]);
-            times[w * rounds + r] = now_us() - t;
-        }
-    free(region), free(other), free(order);
-    seed = chain;
-    return sum;
+    uint64_t total = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        const int tid = omp_get_thread_num();
+        volatile float seed = 1.0f;
+        float chain = seed;
+        char *region = aligned_alloc(1 << 21, (size_t)(slots * (bytes + 4096)));
+        char *other = aligned_alloc(1 << 21, (size_t)other_bytes);
+        memset(region, 1, (size_t)(slots * (bytes + 4096)));
+        memset(other, 2, (size_t)other_bytes);
+        uint64_t sum = 0;
+        for (int r = 0; r < rounds; r++)
+            for (int w = 0; w < 10; w++) {
+                const char *b = region + ((r * 10 + w) % slots) * (bytes + 4096);
+                #pragma omp barrier
+                for (int64_t i = 0; i < other_bytes; i += 64) sum += other[i];
+                #pragma omp barrier
+                const int passes = w == 5 ? 2 : w == 6 ? 4 : 1;
+                const double issue = now_us();
+                for (int pass = 0; pass < passes; pass++)
+                    for (int64_t i = 0; i < bytes; i += 64) switch (w) {
+                        case 1: __builtin_prefetch(b + i, 0, 3); break;
+                        case 2: case 5: case 6: __builtin_prefetch(b + i, 0, 2); break;
+                        case 3: __builtin_prefetch(b + i, 0, 1); break;
+                        case 4: __builtin_prefetch(b + i, 0, 0); break;
+                        case 7:
+                            for (int s = 0; s < pace; s++) chain = chain * 0.999999f + 1e-7f;
+                            __builtin_prefetch(b + i, 0, 2);
+                            break;
+                        case 8: sum += *(volatile const char *)(b + i); break;
+                        case 9: sum += *(volatile const char *)(b + order[i / 64]); break;
+                    }
+                if (w == 7) issued[tid * rounds + r] = now_us() - issue;
+                for (const double t = now_us(); now_us() - t < wait_us;) {}
+                #pragma omp barrier
+                const double t = now_us();
+                for (int64_t i = 0; i < lines; i++) sum += *(volatile const char *)(b + order[i]);
+                times[((int64_t)tid * 10 + w) * rounds + r] = now_us() - t;
+            }
+        free(region), free(other);
+        seed = chain;
+        total += sum;
+    }
+    free(order);
+    return total;
 }
 """
 
@@ -110,24 +125,29 @@ def main() -> None:
     parser.add_argument("--wait-us", default="0,100")
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--pace", type=int, default=8, help="multiply and add steps a hint")
+    parser.add_argument("--threads", type=int, default=1, help="cores probing at once")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         lib = compile_scratch(Path(tmp), "prefetch_probe", PROBE)  # loaded: the file may go
-    lib.probe.argtypes = [ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_int]
+    lib.probe.argtypes = [ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.probe.argtypes += [ctypes.c_void_p, ctypes.c_void_p]
     lib.probe.restype = ctypes.c_uint64
     size = int(args.mib * 2**20) // 64 * 64
     for wait in (float(w) for w in args.wait_us.split(",")):
-        times = (ctypes.c_double * (len(WAYS) * args.rounds))()
-        issued = (ctypes.c_double * args.rounds)()
-        lib.probe(size, wait, args.rounds, args.pace, times, issued)
+        rounds, threads = args.rounds, args.threads
+        times = (ctypes.c_double * (threads * len(WAYS) * rounds))()
+        issued = (ctypes.c_double * (threads * rounds))()
+        lib.probe(size, wait, rounds, args.pace, threads, times, issued)
         issue_us = statistics.median(issued)
         medians = [
-            statistics.median(times[w * args.rounds : (w + 1) * args.rounds])
+            statistics.median(
+                x for t in range(threads) for x in times[(t * len(WAYS) + w) * rounds :][:rounds]
+            )
             for w in range(len(WAYS))
         ]
         cold, warm = medians[0], medians[-1]
-        print(f"{size / 2**20:.2f} MiB, one core, read in a shuffled order {wait:.0f} us after:")
+        cores = "one core" if threads == 1 else f"{threads} cores at once, each its own"
+        print(f"{size / 2**20:.2f} MiB, {cores}, read in a shuffled order {wait:.0f} us after:")
         for w, (way, took) in enumerate(zip(WAYS, medians, strict=True)):
             covered = (cold - took) / (cold - warm) if cold > warm else float("nan")
             share = f"  {covered:6.0%} of the way" if 0 < w < len(WAYS) - 1 else ""
