@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -117,6 +118,15 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
 """
 
 
+def way_medians(times: list[float], rounds: int, threads: int) -> list[float]:
+    """Each way's median read over every thread's rounds, from the probe's `times`."""
+    medians = []
+    for w in range(len(WAYS)):
+        starts = [(t * len(WAYS) + w) * rounds for t in range(threads)]
+        medians.append(statistics.median(x for a in starts for x in times[a : a + rounds]))
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,15 +146,13 @@ def main() -> None:
     for wait in (float(w) for w in args.wait_us.split(",")):
         rounds, threads = args.rounds, args.threads
         times = (ctypes.c_double * (threads * len(WAYS) * rounds))()
+        ctypes.memset(times, 0xFF, ctypes.sizeof(times))  # NaN until a thread writes its time
         issued = (ctypes.c_double * (threads * rounds))()
         lib.probe(size, wait, rounds, args.pace, threads, times, issued)
+        if any(math.isnan(t) for t in times):
+            raise SystemExit(f"fewer than {threads} threads ran the probe")
         issue_us = statistics.median(issued)
-        medians = [
-            statistics.median(
-                x for t in range(threads) for x in times[(t * len(WAYS) + w) * rounds :][:rounds]
-            )
-            for w in range(len(WAYS))
-        ]
+        medians = way_medians(list(times), rounds, threads)
         cold, warm = medians[0], medians[-1]
         cores = "one core" if threads == 1 else f"{threads} cores at once, each its own"
         print(f"{size / 2**20:.2f} MiB, {cores}, read in a shuffled order {wait:.0f} us after:")
