@@ -49,6 +49,8 @@ PROBE = r"""
 #include <string.h>
 #include <time.h>
 
+#define WAYS 10 /* the ways, in the docstring's order (WAYS in Python) */
+
 static double now_us(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -56,9 +58,8 @@ static double now_us(void) {
 }
 
 /* On `threads` cores at once, each with buffers of its own and in step with the others at each
- * phase: times[(t * 10 + w) * rounds + r], thread t's read in round r after way w (the ten ways
- * in the docstring's order), issued[t * rounds + r] its time to issue the paced hints;
- * -> a checksum */
+ * phase: times[(t * WAYS + w) * rounds + r], thread t's read in round r after way w,
+ * issued[t * rounds + r] its time to issue the paced hints; -> a checksum */
 uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads, double *times,
                double *issued) {
     const int64_t lines = bytes / 64, slots = 32, other_bytes = (int64_t)64 << 20;
@@ -81,8 +82,8 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
         memset(other, 2, (size_t)other_bytes);
         uint64_t sum = 0;
         for (int r = 0; r < rounds; r++)
-            for (int w = 0; w < 10; w++) {
-                const char *b = region + ((r * 10 + w) % slots) * (bytes + 4096);
+            for (int w = 0; w < WAYS; w++) {
+                const char *b = region + ((r * WAYS + w) % slots) * (bytes + 4096);
                 #pragma omp barrier
                 for (int64_t i = 0; i < other_bytes; i += 64) sum += other[i];
                 #pragma omp barrier
@@ -106,7 +107,7 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
                 #pragma omp barrier
                 const double t = now_us();
                 for (int64_t i = 0; i < lines; i++) sum += *(volatile const char *)(b + order[i]);
-                times[((int64_t)tid * 10 + w) * rounds + r] = now_us() - t;
+                times[((int64_t)tid * WAYS + w) * rounds + r] = now_us() - t;
             }
         free(region), free(other);
         seed = chain;
@@ -139,14 +140,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         lib = compile_scratch(Path(tmp), "prefetch_probe", PROBE)  # loaded: the file may go
-    lib.probe.argtypes = [ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.probe.argtypes += [ctypes.c_void_p, ctypes.c_void_p]
+    lib.probe.argtypes = [
+        ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p,
+    ]  # fmt: skip
     lib.probe.restype = ctypes.c_uint64
     size = int(args.mib * 2**20) // 64 * 64
+    rounds, threads = args.rounds, args.threads
     for wait in (float(w) for w in args.wait_us.split(",")):
-        rounds, threads = args.rounds, args.threads
-        times = (ctypes.c_double * (threads * len(WAYS) * rounds))()
-        ctypes.memset(times, 0xFF, ctypes.sizeof(times))  # NaN until a thread writes its time
+        count = threads * len(WAYS) * rounds
+        times = (ctypes.c_double * count)(*[math.nan] * count)  # NaN until a thread writes it
         issued = (ctypes.c_double * (threads * rounds))()
         lib.probe(size, wait, rounds, args.pace, threads, times, issued)
         if any(math.isnan(t) for t in times):
