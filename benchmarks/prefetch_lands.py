@@ -16,7 +16,9 @@ in a shuffled order (a load a line, so that the hardware prefetchers cannot gues
   given again may land;
 - `prefetcht1` paced: a hint a line, each after `--pace` steps of a chain of dependent
   multiplies and adds, as the engine's hints come between a projection's arithmetic rather than in
-  one burst (the hints' rate, per line and in GB/s, is printed beside it);
+  one burst (the hints' rate, per line and in GB/s, is printed beside it, and the time a line
+  of the same work takes without the hints: where the two are level, the work sets the rate;
+  where the hints take longer, the core waited to give them);
 - a plain read of the range, in order (where the hardware's stream prefetchers run ahead);
 - a read of the range in the shuffled order (demand loads alone): every line in cache.
 
@@ -59,9 +61,10 @@ static double now_us(void) {
 
 /* On `threads` cores at once, each with buffers of its own and in step with the others at each
  * phase: times[(t * WAYS + w) * rounds + r], thread t's read in round r after way w,
- * issued[t * rounds + r] its time to issue the paced hints; -> a checksum */
+ * issued[t * rounds + r] its time to issue the paced hints, alone[t * rounds + r] its time for
+ * the same work without them; -> a checksum */
 uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads, double *times,
-               double *issued) {
+               double *issued, double *alone) {
     const int64_t lines = bytes / 64, slots = 32, other_bytes = (int64_t)64 << 20;
     int64_t *order = malloc(sizeof(int64_t) * lines); /* the read's order, every thread's */
     for (int64_t i = 0; i < lines; i++) order[i] = i * 64;
@@ -86,6 +89,12 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
                 const char *b = region + ((r * WAYS + w) % slots) * (bytes + 4096);
                 #pragma omp barrier
                 for (int64_t i = 0; i < other_bytes; i += 64) sum += other[i];
+                if (w == 7) { /* the paced way's work without its hints; touches no memory */
+                    const double start = now_us();
+                    for (int64_t i = 0; i < bytes; i += 64)
+                        for (int s = 0; s < pace; s++) chain = chain * 0.999999f + 1e-7f;
+                    alone[tid * rounds + r] = now_us() - start;
+                }
                 #pragma omp barrier
                 const int passes = w == 5 ? 2 : w == 6 ? 4 : 1;
                 const double issue = now_us();
@@ -142,7 +151,7 @@ def main() -> None:
         lib = compile_scratch(Path(tmp), "prefetch_probe", PROBE)  # loaded: the file may go
     lib.probe.argtypes = [
         ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
     ]  # fmt: skip
     lib.probe.restype = ctypes.c_uint64
     size = int(args.mib * 2**20) // 64 * 64
@@ -151,10 +160,11 @@ def main() -> None:
         count = threads * len(WAYS) * rounds
         times = (ctypes.c_double * count)(*[math.nan] * count)  # NaN until a thread writes it
         issued = (ctypes.c_double * (threads * rounds))()
-        lib.probe(size, wait, rounds, args.pace, threads, times, issued)
+        alone = (ctypes.c_double * (threads * rounds))()
+        lib.probe(size, wait, rounds, args.pace, threads, times, issued, alone)
         if any(math.isnan(t) for t in times):
             raise SystemExit(f"fewer than {threads} threads ran the probe")
-        issue_us = statistics.median(issued)
+        issue_us, work_us = statistics.median(issued), statistics.median(alone)
         medians = way_medians(list(times), rounds, threads)
         cold, warm = medians[0], medians[-1]
         cores = "one core" if threads == 1 else f"{threads} cores at once, each its own"
@@ -163,8 +173,9 @@ def main() -> None:
             covered = (cold - took) / (cold - warm) if cold > warm else float("nan")
             share = f"  {covered:6.0%} of the way" if 0 < w < len(WAYS) - 1 else ""
             if w == PACED:
-                per_line = issue_us * 1e3 / (size // 64)
-                share += f"  (hints {per_line:.1f} ns a line, {size / issue_us / 1e3:.1f} GB/s)"
+                per_line, work = (us * 1e3 / (size // 64) for us in (issue_us, work_us))
+                share += f"  (hints {per_line:.1f} ns a line, {size / issue_us / 1e3:.1f} GB/s;"
+                share += f" the work alone {work:.1f} ns)"
             print(f"  {way:<16} {took:8.1f} us{share}")
 
 
