@@ -52,6 +52,9 @@ PROBE = r"""
 #include <time.h>
 
 #define WAYS 10 /* the ways, in the docstring's order (WAYS in Python) */
+/* a step of the paced way's work: a multiply and an add on the chain's last value, kept by the asm
+ * (else the compiler drops the whole chain, whose result nothing it must keep uses) */
+#define STEP(x) do { (x) = (x) * 0.999999f + 1e-7f; __asm__ volatile("" : "+x"(x)); } while (0)
 
 static double now_us(void) {
     struct timespec t;
@@ -92,7 +95,7 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
                 if (w == 7) { /* the paced way's work without its hints; touches no memory */
                     const double start = now_us();
                     for (int64_t i = 0; i < bytes; i += 64)
-                        for (int s = 0; s < pace; s++) chain = chain * 0.999999f + 1e-7f;
+                        for (int s = 0; s < pace; s++) STEP(chain);
                     alone[tid * rounds + r] = now_us() - start;
                 }
                 #pragma omp barrier
@@ -105,7 +108,7 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
                         case 3: __builtin_prefetch(b + i, 0, 1); break;
                         case 4: __builtin_prefetch(b + i, 0, 0); break;
                         case 7:
-                            for (int s = 0; s < pace; s++) chain = chain * 0.999999f + 1e-7f;
+                            for (int s = 0; s < pace; s++) STEP(chain);
                             __builtin_prefetch(b + i, 0, 2);
                             break;
                         case 8: sum += *(volatile const char *)(b + i); break;
