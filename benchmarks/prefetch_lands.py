@@ -52,9 +52,18 @@ PROBE = r"""
 #include <time.h>
 
 #define WAYS 10 /* the ways, in the docstring's order (WAYS in Python) */
-/* a step of the paced way's work: a multiply and an add on the chain's last value, kept by the asm
- * (else the compiler drops the whole chain, whose result nothing it must keep uses) */
-#define STEP(x) do { (x) = (x) * 0.999999f + 1e-7f; __asm__ volatile("" : "+x"(x)); } while (0)
+#define PACED 7  /* the paced way (PACED in Python) */
+
+/* The paced way's work between two hints: `pace` steps of a multiply and an add, each on the
+ * last's value; the empty asm keeps every step (else the compiler drops the whole chain, whose
+ * result nothing it must keep uses) */
+static inline float paced_work(float chain, int pace) {
+    for (int s = 0; s < pace; s++) {
+        chain = chain * 0.999999f + 1e-7f;
+        __asm__ volatile("" : "+x"(chain));
+    }
+    return chain;
+}
 
 static double now_us(void) {
     struct timespec t;
@@ -80,8 +89,7 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
 #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
         const int tid = omp_get_thread_num();
-        volatile float seed = 1.0f;
-        float chain = seed;
+        float chain = 1.0f;
         char *region = aligned_alloc(1 << 21, (size_t)(slots * (bytes + 4096)));
         char *other = aligned_alloc(1 << 21, (size_t)other_bytes);
         memset(region, 1, (size_t)(slots * (bytes + 4096)));
@@ -92,10 +100,9 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
                 const char *b = region + ((r * WAYS + w) % slots) * (bytes + 4096);
                 #pragma omp barrier
                 for (int64_t i = 0; i < other_bytes; i += 64) sum += other[i];
-                if (w == 7) { /* the paced way's work without its hints; touches no memory */
+                if (w == PACED) { /* its work without the hints; touches no memory */
                     const double start = now_us();
-                    for (int64_t i = 0; i < bytes; i += 64)
-                        for (int s = 0; s < pace; s++) STEP(chain);
+                    for (int64_t i = 0; i < bytes; i += 64) chain = paced_work(chain, pace);
                     alone[tid * rounds + r] = now_us() - start;
                 }
                 #pragma omp barrier
@@ -107,14 +114,14 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
                         case 2: case 5: case 6: __builtin_prefetch(b + i, 0, 2); break;
                         case 3: __builtin_prefetch(b + i, 0, 1); break;
                         case 4: __builtin_prefetch(b + i, 0, 0); break;
-                        case 7:
-                            for (int s = 0; s < pace; s++) STEP(chain);
+                        case PACED:
+                            chain = paced_work(chain, pace);
                             __builtin_prefetch(b + i, 0, 2);
                             break;
                         case 8: sum += *(volatile const char *)(b + i); break;
                         case 9: sum += *(volatile const char *)(b + order[i / 64]); break;
                     }
-                if (w == 7) issued[tid * rounds + r] = now_us() - issue;
+                if (w == PACED) issued[tid * rounds + r] = now_us() - issue;
                 for (const double t = now_us(); now_us() - t < wait_us;) {}
                 #pragma omp barrier
                 const double t = now_us();
@@ -122,7 +129,6 @@ uint64_t probe(int64_t bytes, double wait_us, int rounds, int pace, int threads,
                 times[((int64_t)tid * WAYS + w) * rounds + r] = now_us() - t;
             }
         free(region), free(other);
-        seed = chain;
         total += sum;
     }
     free(order);
