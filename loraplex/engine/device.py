@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels import cpu_lora
+from loraplex.kernels import cpu_lora, cpu_screen
 
 if TYPE_CHECKING:
     from loraplex.engine.sampler import Argmax
+    from loraplex.kernels.cpu_screen import ScreenedHead
 
 LORA_BACKENDS = ("native", "torch", "triton", "reference")
 # CPU flags meaning bfloat16 matrix products run natively (Intel AMX, AVX512-BF16 on Intel and
@@ -182,6 +183,20 @@ def choose_linear(weight: torch.Tensor):
     else:
         return None
     return kernel if kernel is not None and kernel.supports(weight.dtype) else None
+
+
+def choose_screen(weight: torch.Tensor, head: Linear) -> ScreenedHead | None:
+    """The greedy screen of an LM head (kernels/cpu_screen.py: each row's greedy token without
+    all its float32 logits, the native float32 head's pick), where that head is native and the
+    screen was measured faster: Zen 3. LORAPLEX_SCREEN=0 keeps the full head everywhere, =1
+    takes the screen wherever it builds (the tests do)."""
+    choice = os.environ.get("LORAPLEX_SCREEN")
+    if choice == "0" or head.native_packed is None or weight.dtype != torch.float32:
+        return None
+    screen = cpu_screen.load()
+    if screen is None or not (screen.measured or (choice == "1" and screen.native)):
+        return None
+    return screen.prepare(weight)
 
 
 class Linear:

@@ -19,7 +19,7 @@ from loraplex.engine.adapters.lora_batch import TorchLoRA
 from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.checkpoint import LayerWeights, load_weights
 from loraplex.engine.config import ModelConfig
-from loraplex.engine.device import Linear, choose_ops
+from loraplex.engine.device import Linear, choose_ops, choose_screen
 from loraplex.engine.fetch_placement import AHEAD, ALL, SHRINKS, FetchPlacement, Ways
 from loraplex.engine.forward_batch import ForwardBatch
 from loraplex.engine.kv_cache import KVCacheManager
@@ -85,6 +85,7 @@ class CausalLM:
         self.layers = [Layer.from_weights(w) for w in weights.layers]
         self.final_norm = weights.final_norm
         self.lm_head = Linear(weights.lm_head)
+        self._screen = choose_screen(weights.lm_head, self.lm_head)
         self.rope = RotaryEmbedding(config.rope, config.head_dim, max_positions, dtype, device)
         self.scale = config.head_dim**-0.5
         self._ops = choose_ops(device, dtype)
@@ -252,6 +253,15 @@ class CausalLM:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_sampled, hidden] -> [num_sampled, vocab] in the serving dtype."""
         return self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def greedy_picks(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[num_sampled, hidden] -> int64 [num_sampled], each row's greedy token, where the LM
+        head's screen takes these rows (device.choose_screen; it declines rows that are not all
+        finite); else None."""
+        if self._screen is None or not self.lm_head.native(hidden):
+            return None
+        return self._screen.greedy(hidden)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

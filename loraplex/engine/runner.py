@@ -65,6 +65,10 @@ class ModelRunner:
             hidden = hidden[: len(sampling)]
         if not sampling:
             return StepResult()
+        if self.sampler.plain_greedy(sampling, masks):
+            tokens = self.model.greedy_picks(hidden)
+            if tokens is not None:  # the screen takes only rows whose logits are all finite
+                return _greedy_result(sampling, tokens, torch.ones(len(sampling), dtype=torch.bool))
         logits = self.model.head(hidden)  # [num_sampling, vocab], the serving dtype
         # a greedy step's tokens, and which rows are finite, in one pass over them
         picks = self.sampler.greedy(logits, sampling, masks)

@@ -43,9 +43,15 @@ class Sampler:
         over `logits` in the dtype the model gave them (bfloat16 needs no float32 copy). None
         otherwise, or where the argmax has no such pass: then the runner takes float32 logits
         to __call__."""
-        if masks is not None or not all(_plain_greedy(seq.params) for seq in seqs):
+        if not self.plain_greedy(seqs, masks):
             return None
         return self._argmax.greedy(logits)
+
+    @staticmethod
+    def plain_greedy(seqs: list[Sequence], masks: Masks | None = None) -> bool:
+        """Whether each of `seqs` takes the argmax of its raw logits and asks for nothing more
+        (no penalty, logit bias, structured-output mask or log-probabilities)."""
+        return masks is None and all(_plain_greedy(seq.params) for seq in seqs)
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence], masks: Masks | None = None

@@ -1,0 +1,136 @@
+"""A float32 greedy step's picks through the LM head's screen (kernels/cpu_screen.py) against the
+full head and its argmax, alternated in one process.
+
+    python benchmarks/greedy_screen.py [--steps 60] [--rounds 6]
+
+Workload: SmolLM2 in float32 on the base model, 32 sequences decoding together (64-token
+prompts, greedy, EOS ignored). First the LM head alone on 32, 16 and 1 rows of the final hidden
+states of real decode steps: the native float32 head and the argmax pass after it (the engine's
+way without the screen) against the screen, alternated; the screen's picks must equal the
+argmax's. Then the engine's decode steps with the screen on and off in turn, then whole runs of
+32 requests of 64 new tokens in turn (`--rounds` pairs, each on prompts of its own), and one
+batch run both ways, whose tokens must be the same. Prints medians, paired differences and
+ratios, and the steps the screen declined.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from engine_throughput import make_prompts
+from lora_floor import add_decoding
+
+SEQUENCES, PROMPT_TOKENS, NEW_TOKENS = 32, 64, 64
+
+
+def alone(model, argmax, states: torch.Tensor, rounds: int) -> None:
+    """The head and argmax against the screen on rows of `states`, alternated."""
+    screen = model._screen
+    for rows in (32, 16, 1):
+        times: dict[str, list[float]] = {"screen": [], "head and argmax": []}
+        for i in range(rounds):
+            x = states[i * rows % (len(states) - rows) :][:rows].contiguous()
+            ways = {
+                "screen": lambda x=x: screen.greedy(x),
+                "head and argmax": lambda x=x: argmax.greedy(model.head(x))[0],
+            }
+            picks = {}
+            for name in list(ways) if i % 2 == 0 else list(ways)[::-1]:
+                begun = time.perf_counter()
+                picks[name] = ways[name]()
+                times[name].append(time.perf_counter() - begun)
+            assert torch.equal(picks["screen"], picks["head and argmax"]), "the picks differ"
+        listed = ", ".join(f"{n} {statistics.median(t) * 1e3:.2f} ms" for n, t in times.items())
+        ratio = statistics.median(times["screen"]) / statistics.median(times["head and argmax"])
+        print(f"alone, {rows} rows: {listed}, {ratio:.2f}x the time (medians of {rounds})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=60, help="pairs of decode steps")
+    parser.add_argument("--rounds", type=int, default=6, help="pairs of whole runs")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+
+    import os
+
+    os.environ.setdefault("LORAPLEX_SCREEN", "1")  # wherever it builds, measured or not
+    from loraplex import LLM, SamplingParams
+
+    llm = LLM(model="default", dtype="float32")
+    engine = llm.engine
+    model = engine.runner.model
+    screen = model._screen
+    if screen is None:
+        raise SystemExit("no screen on this machine (LORAPLEX_SCREEN=0, or no AVX2 build)")
+    prompts = make_prompts(llm.tokenizer, SEQUENCES * (2 + 2 * args.rounds), PROMPT_TOKENS)
+    batches = [prompts[i : i + SEQUENCES] for i in range(0, len(prompts), SEQUENCES)]
+
+    states: list[torch.Tensor] = []
+    picks = model.greedy_picks
+
+    def recorded(hidden):
+        if hidden.shape[0] == SEQUENCES:
+            states.append(hidden.clone())
+        return picks(hidden)
+
+    model.greedy_picks = recorded
+    add_decoding(engine, batches[0], [], 2 * args.steps + 24)
+    started: set[str] = set()
+    while len(started) < SEQUENCES:
+        started |= {delta.request_id for delta in engine.step()}
+    ways = {"screen": screen, "full head": None}
+    names = list(ways)
+    steps: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(args.steps):
+        for name in names if i % 2 == 0 else names[::-1]:
+            model._screen = ways[name]
+            begun = time.perf_counter()
+            engine.step()
+            steps[name].append(time.perf_counter() - begun)
+    model._screen = screen
+    while engine.has_unfinished():
+        engine.step()
+    model.greedy_picks = picks
+    alone(model, engine.runner.sampler._argmax, torch.cat(states), 60)
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = {}
+    for name in names:
+        model._screen = ways[name]
+        outputs[name] = [out.outputs[0].token_ids for out in llm.generate(batches[1], params)]
+    same = outputs["screen"] == outputs["full head"]
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    fresh = iter(batches[2:])
+    for i in range(args.rounds):
+        for name in names if i % 2 == 0 else names[::-1]:
+            model._screen = ways[name]
+            begun = time.perf_counter()
+            llm.generate(next(fresh), params)
+            runs[name].append(SEQUENCES * NEW_TOKENS / (time.perf_counter() - begun))
+    model._screen = screen
+
+    ours, theirs = names
+    print(f"model SmolLM2, float32, 2 threads, base model, {SEQUENCES} sequences, greedy")
+    differences = [a - b for a, b in zip(steps[ours], steps[theirs], strict=True)]
+    print(
+        f"decode step: {ours} {statistics.median(steps[ours]) * 1e3:.2f} ms, {theirs} "
+        f"{statistics.median(steps[theirs]) * 1e3:.2f} ms, difference "
+        f"{statistics.median(differences) * 1e3:+.3f} ms (median of {args.steps} pairs)"
+    )
+    ratios = [a / b for a, b in zip(runs[ours], runs[theirs], strict=True)]
+    print(
+        f"whole runs ({SEQUENCES} x {PROMPT_TOKENS} + {NEW_TOKENS} tokens): {ours} "
+        f"{statistics.median(runs[ours]):.1f} tok/s, {theirs} {statistics.median(runs[theirs]):.1f}"
+        f" tok/s, {statistics.median(ratios):.3f}x (median of {args.rounds} pairs)"
+    )
+    print(f"same tokens both ways: {same}; steps the screen declined: {screen.declined}")
+
+
+if __name__ == "__main__":
+    main()
