@@ -124,6 +124,8 @@ def main() -> None:
         f"{statistics.median(differences) * 1e3:+.3f} ms (median of {args.steps} pairs)"
     )
     ratios = [a / b for a, b in zip(runs[ours], runs[theirs], strict=True)]
+    pairs = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(runs[ours], runs[theirs], strict=True))
+    print(f"whole runs, tok/s {ours}/{theirs} pair by pair: {pairs}")
     print(
         f"whole runs ({SEQUENCES} x {PROMPT_TOKENS} + {NEW_TOKENS} tokens): {ours} "
         f"{statistics.median(runs[ours]):.1f} tok/s, {theirs} {statistics.median(runs[theirs]):.1f}"
