@@ -4,9 +4,11 @@ as the packed LM head computes it, only where the bound cannot rule the token ou
 the full head's and argmax's, ties included.
 
 Why: in a float32 decode step of 32 sequences on SmolLM2 the LM head (49,152 x 576) is about a
-quarter of the step on a 2-core Zen 3 (19.9 ms of the native projection's, device.Linear), and
-its products are the step's most numerous after the layers'; the screen's integer products go
-at twice the rate of float32's on AVX2 and read a quarter of the bytes.
+fifth of the step on a 2-core Zen 3. There the screen and its picks took 0.72-0.75x the time of
+the native head and argmax on 32 rows (0.28x on one), and decode steps of 32 sequences were
+4.5-5.4 ms shorter (benchmarks/greedy_screen.py; docs/performance.md, "Zen 3: the LM head
+screened in 8-bit integers"). Its integer products went at about the rate of float32 FMAs there,
+not twice it: it wins by running near that rate where the float32 head runs at about half of it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from loraplex.kernels import cpu_lora
 
-_SCREEN_META = 4  # per token: step, |w - w~|, |w~|, gamma_k |w| (cpu/screen_f32.c)
+_SCREEN_META = 4  # per token: step, |w - w~|, |w~|, 2 gamma_k |w| (cpu/screen_f32.c)
 
 
 class CpuScreenF32:
@@ -27,7 +29,7 @@ class CpuScreenF32:
     (Zen 3), so the engine takes it by default."""
 
     # float32 logits a thread may compute a step before the screen declines (the full head then
-    # runs): at about 0.1 us each, a fraction of the 8-10 ms the screen saves
+    # runs): SmolLM2's rows left 7 a row at the median, 114 at most (docs/performance.md)
     budget = 2048
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -37,6 +39,8 @@ class CpuScreenF32:
         self._columns.argtypes, self._columns.restype = [ctypes.c_int64], ctypes.c_int64
         self._bytes = lib.screen_packed_bytes
         self._bytes.argtypes, self._bytes.restype = [ctypes.c_int64] * 2, ctypes.c_int64
+        self._work = lib.screen_work_floats
+        self._work.argtypes, self._work.restype = [ctypes.c_int64] * 2, ctypes.c_int64
         self._pack = lib.screen_pack_f32
         self._pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         self._pack.argtypes += [ctypes.c_void_p] * 2
@@ -58,7 +62,7 @@ class CpuScreenF32:
             return None
         n, k = weight.shape
         q = torch.empty(int(self._bytes(n, k)), dtype=torch.int8)
-        meta = torch.empty(_SCREEN_META, int(self._columns(n)))  # [4, n_pad]
+        meta = torch.empty(_SCREEN_META, int(self._columns(n)), dtype=torch.float32)  # [4, n_pad]
         if self._pack(weight.data_ptr(), n, k, q.data_ptr(), meta.data_ptr()) != 0:
             return None
         return ScreenedHead(self, q, meta, weight)
@@ -67,15 +71,20 @@ class CpuScreenF32:
 class ScreenedHead:
     """An LM head's screen (CpuScreenF32.prepare): `greedy(x)` picks each row's token, or says
     None where it declines (a row of x not all finite, or too many tokens left to compute in
-    float32); `picked` and `declined` count the calls of each kind."""
+    float32); `picked` and `declined` count the calls of each kind. Rows that keep leaving too
+    many tokens would pay for the screen and then for the full head: after `streak` declines in
+    a row it rests, saying None without trying, for the next `rest` calls."""
+
+    streak, rest = 8, 256
 
     def __init__(
         self, screen: CpuScreenF32, q: torch.Tensor, meta: torch.Tensor, weight: torch.Tensor
     ) -> None:
         self._screen, self._q, self._meta, self._weight = screen, q, meta, weight
         self.n, self.k = weight.shape
-        self._high = torch.empty(0, meta.shape[1])  # [rows, n_pad] of work, kept between steps
+        self._work, self._work_rows = torch.empty(0, dtype=torch.float32), 0  # kept between steps
         self.picked = self.declined = 0
+        self._declines_in_a_row = self._resting = 0
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [rows, k] float32 (unit column stride) -> int64 [rows], each row's greedy token."""
@@ -84,18 +93,26 @@ class ScreenedHead:
             raise ValueError(f"the screen takes float32 [rows, {self.k}], got {tuple(x.shape)}")
         if rows == 0:
             return torch.empty(0, dtype=torch.int64)
-        if self._high.shape[0] < rows:
-            self._high = torch.empty(rows, self._meta.shape[1])
+        if self._resting > 0:
+            self._resting -= 1
+            return None
+        if self._work_rows < rows:
+            self._work = torch.empty(int(self._screen._work(rows, self.n)), dtype=torch.float32)
+            self._work_rows = rows
         out = torch.empty(rows, dtype=torch.int64)
         status = self._screen._greedy(
             x.data_ptr(), x.stride(0), rows, self.k, self._q.data_ptr(), self._meta.data_ptr(),
-            self._weight.data_ptr(), self.n, self._screen.budget, self._high.data_ptr(),
+            self._weight.data_ptr(), self.n, self._screen.budget, self._work.data_ptr(),
             out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             self.declined += 1
+            self._declines_in_a_row += 1
+            if self._declines_in_a_row == self.streak:
+                self._declines_in_a_row, self._resting = 0, self.rest
             return None
         self.picked += 1
+        self._declines_in_a_row = 0
         return out
 
 

@@ -64,10 +64,15 @@ def test_screen_picks_the_full_heads_tokens(f32_kernel, screen, rows, vocab, k):
 def test_a_tie_picks_the_first_token(f32_kernel, screen):  # noqa: F811
     torch.manual_seed(0)
     weight = torch.randn(3000, 576) * 0.05
-    weight[2999] = weight[1700] = weight[40] = weight[40] * 3.0  # the same row, three tokens
+    # the same row, four tokens: two in a block, one in another of the same thread (of two),
+    # one in the other thread's
+    weight[2999] = weight[1000] = weight[41] = weight[40] = weight[40] * 3.0
     x = weight[40:41] * 10.0
     assert full_picks(f32_kernel, weight, x).tolist() == [40]
     assert screen.prepare(weight).greedy(x).tolist() == [40]
+    weight[40] = 0.0  # then the first is the next
+    assert full_picks(f32_kernel, weight, x).tolist() == [41]
+    assert screen.prepare(weight).greedy(x).tolist() == [41]
 
 
 def test_screen_declines_what_it_cannot_vouch_for(screen):
@@ -78,8 +83,16 @@ def test_screen_declines_what_it_cannot_vouch_for(screen):
         x[1, 5] = bad
         assert head.greedy(x) is None
     assert head.declined == 3
+    assert head.greedy(torch.randn(3, 64)) is not None  # 3 declines in a row: it still tries
+    head = screen.prepare(torch.randn(500, 64) * 0.05)
     screen.budget = 0  # not one float32 logit: every step goes to the full head
-    assert head.greedy(torch.randn(3, 64)) is None
+    for _ in range(head.streak):
+        assert head.greedy(torch.randn(3, 64)) is None
+    assert head.declined == head.streak
+    screen.budget = 10**6  # resting: no try for `rest` calls, then one
+    assert all(head.greedy(torch.randn(3, 64)) is None for _ in range(head.rest))
+    assert head.declined == head.streak and head.greedy(torch.randn(3, 64)) is not None
+    assert head.greedy(torch.full((2, 64), 1e37)) is None  # logits that might not be finite
     with pytest.raises(ValueError, match="float32"):
         head.greedy(torch.randn(3, 64).bfloat16())
     assert screen.prepare(torch.full((10, 8), float("nan"))) is None
@@ -99,17 +112,14 @@ def test_an_engine_with_the_screen_matches_transformers(engine_screen, tiny_llam
 
 
 def test_greedy_tokens_are_the_same_with_sampled_requests_beside(engine_screen, tiny_llama):
-    """A batch mixing greedy and sampled requests takes the full head (the screen picks greedy
-    steps alone); the greedy requests' tokens are those of a run alone."""
+    """A step with a sampled request takes the full head (the screen picks greedy steps alone);
+    the greedy requests' tokens are those of a run of them alone, through the screen."""
     llm = make_llm(tiny_llama)
     prompts = mixed_prompts(llm.tokenizer, 6, seed=2)
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True)
     alone = [r.outputs[0].token_ids for r in llm.generate(prompts, greedy)]
-    head = llm.engine.runner.model._screen
-    picked = head.picked
     mixed = llm.generate(prompts + prompts[:2], [greedy] * len(prompts) + [sampled] * 2)
-    assert head.picked == picked  # every step of the mixed batch took the full head
     assert [r.outputs[0].token_ids for r in mixed[: len(prompts)]] == alone
 
 

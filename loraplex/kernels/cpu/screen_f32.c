@@ -28,7 +28,7 @@
  *
  * Packed: the screen's weights in blocks of SCREEN_COLS tokens, each [k4 / 4][SCREEN_COLS][4]
  * (k4: k rounded up to 4), for each group of 4 inputs 4 bytes a token, 8 tokens a vector; meta
- * [SCREEN_META][n_pad] float: each token's step, |w_v - w~_v|, |w~_v| and 2 gamma_k |w_v|, each
+ * [4][n_pad] float: each token's step, |w_v - w~_v|, |w~_v| and 2 gamma_k |w_v|, each
  * rounded up. */
 
 #define SCREEN_COLS 24
@@ -42,7 +42,18 @@ static int64_t screen_k4(int64_t k) { return (k + 3) / 4 * 4; }
 
 int64_t screen_packed_bytes(int64_t n, int64_t k) { return screen_columns(n) * screen_k4(k); }
 
+/* The floats of work a call on m rows takes: each token's a_v + B_v, and each block's largest */
+int64_t screen_work_floats(int64_t m, int64_t n) {
+    return m * (screen_columns(n) + screen_columns(n) / SCREEN_COLS);
+}
+
 static double rounded_up(double v) { return v * (1.0 + 1e-6) + 1e-30; }
+
+/* gamma_k: the relative bound on a float32 sum of k products, one rounding each */
+static double gamma_of(int64_t k) {
+    const double u = ldexp(1.0, -24);
+    return k * u / (1.0 - k * u);
+}
 
 /* v / step to the nearest level, within SCREEN_LEVELS a side */
 static long level_of(float v, float step) {
@@ -53,7 +64,7 @@ static long level_of(float v, float step) {
 /* w [n, k] float32 -> q (screen_packed_bytes) and meta; 1 where a weight is not finite */
 int screen_pack_f32(const float *w, int64_t n, int64_t k, int8_t *q, float *meta) {
     const int64_t k4 = screen_k4(k), n_pad = screen_columns(n);
-    const double u = ldexp(1.0, -24), gamma = k * u / (1.0 - k * u);
+    const double gamma = gamma_of(k);
     for (int64_t v = 0; v < n_pad; v++) {
         const float *row = w + v * k;
         float top = 0.0f;
@@ -108,8 +119,8 @@ static int find_outliers(const float *x, int64_t k, int64_t *dims) {
 }
 
 /* x [k] -> xq [k4] (x~_r's levels) and its ScreenRow; 1 where x is not all finite or so large
- * that its logits might not be */
-static int screen_row(const float *x, int64_t k, int8_t *xq, ScreenRow *r) {
+ * that its logits might not be (w_norm: the largest |w_v|) */
+static int screen_row(const float *x, int64_t k, float w_norm, int8_t *xq, ScreenRow *r) {
     int64_t dims[SCREEN_OUTLIERS];
     const int outliers = find_outliers(x, k, dims);
     char *outlier = calloc(k, 1);
@@ -141,7 +152,9 @@ static int screen_row(const float *x, int64_t k, int8_t *xq, ScreenRow *r) {
     free(outlier);
     r->norm = (float)rounded_up(sqrt(whole));
     r->error_norm = (float)rounded_up(sqrt(error));
-    return !(r->norm < 1e18f); /* also where x is not finite: its norm is not */
+    /* |x . w_v| <= |x| |w_v|: logits and bounds finite with room to spare (false where x is not
+     * finite: neither is its norm) */
+    return !((double)r->norm * w_norm < 1e36);
 }
 
 /* A screen's arguments and the state its threads share */
@@ -154,10 +167,11 @@ typedef struct {
     int64_t budget;
     const int8_t *xq;
     const ScreenRow *rows;
-    float *high;     /* [m][n_pad]: each token's a_v + B_v */
-    float *low;      /* [threads][m]: each thread's largest a_v - B_v a row */
-    float *best;     /* [threads][m]: each thread's best float32 logit a row */
-    int64_t *picked; /* [threads][m]: its token */
+    float *high;       /* [m][n_pad]: each token's a_v + B_v */
+    float *block_high; /* [m][n_pad / SCREEN_COLS]: the largest of a block's */
+    float *low;        /* [threads][m]: each thread's largest a_v - B_v a row */
+    float *best;       /* [threads][m]: each thread's best float32 logit a row */
+    int64_t *picked;   /* [threads][m]: its token */
     int declined;
 } Screen;
 
@@ -174,30 +188,42 @@ static inline __m256i dot_fours(__m256i sum, __m256i four, __m256i magnitude, __
     return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-/* a_v + B_v of 8 tokens from v into `high`, a_v - B_v into low_max; rest and outlier: their
- * integer dot products */
-static inline void screen_bounds(const Screen *s, const ScreenRow *row, int64_t v, __m256i rest,
-                                 __m256i outlier, float *high, __m256 *low_max) {
+/* a_v + B_v of 8 tokens from v into `high` (and returned), a_v - B_v into low_max; rest and
+ * outlier: their integer dot products */
+static inline __m256 screen_bounds(const Screen *s, const ScreenRow *row, int64_t v, __m256i rest,
+                                   __m256i outlier, float *high, __m256 *low_max) {
     const float *meta = s->meta + v;
-    const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(outlier), _mm256_set1_ps(row->outlier_step),
-                                     _mm256_mul_ps(_mm256_cvtepi32_ps(rest), _mm256_set1_ps(row->rest_step)));
+    const __m256 rests = _mm256_mul_ps(_mm256_cvtepi32_ps(rest), _mm256_set1_ps(row->rest_step));
+    const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(outlier),
+                                     _mm256_set1_ps(row->outlier_step), rests);
     const __m256 a = _mm256_mul_ps(x, _mm256_loadu_ps(meta));
-    __m256 bound = _mm256_mul_ps(_mm256_set1_ps(row->norm), _mm256_loadu_ps(meta + 3 * s->n_pad));
-    bound = _mm256_fmadd_ps(_mm256_set1_ps(row->error_norm), _mm256_loadu_ps(meta + 2 * s->n_pad), bound);
-    bound = _mm256_fmadd_ps(_mm256_set1_ps(row->norm), _mm256_loadu_ps(meta + s->n_pad), bound);
-    /* float32's rounding in a_v and B_v: well within 2^-10 of B_v and 2^-16 of (|a_v| + 1) */
-    const __m256 magnitude = _mm256_add_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a), _mm256_set1_ps(1.0f));
-    bound = _mm256_fmadd_ps(bound, _mm256_set1_ps(1.0f + 1.0f / 1024), _mm256_mul_ps(magnitude, _mm256_set1_ps(1.0f / 65536)));
+    const __m256 norm = _mm256_set1_ps(row->norm);
+    __m256 bound = _mm256_mul_ps(norm, _mm256_loadu_ps(meta + 3 * s->n_pad));
+    bound = _mm256_fmadd_ps(_mm256_set1_ps(row->error_norm), _mm256_loadu_ps(meta + 2 * s->n_pad),
+                            bound);
+    bound = _mm256_fmadd_ps(norm, _mm256_loadu_ps(meta + s->n_pad), bound);
+    /* float32's rounding in a_v (its two parts' conversions and steps, up to u |x~_r . w~_v|
+     * and u |x~_o . w~_v| where they cancel) lies within the second gamma_k |x| |w_v| of
+     * meta's fourth row: that factor 2 is load-bearing. B_v's own, and a_v +- B_v's, within
+     * 2^-10 of B_v and 2^-16 of (|a_v| + 1). */
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 magnitude = _mm256_add_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a), one);
+    bound = _mm256_fmadd_ps(bound, _mm256_set1_ps(1.0f + 1.0f / 1024),
+                            _mm256_mul_ps(magnitude, _mm256_set1_ps(1.0f / 65536)));
     /* tokens past n take no part */
-    const __m256i lanes = _mm256_add_epi32(_mm256_set1_epi32((int)v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 real = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)s->n), lanes));
+    const __m256i lanes = _mm256_add_epi32(_mm256_set1_epi32((int)v),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 real =
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)s->n), lanes));
     const __m256 none = _mm256_set1_ps(-INFINITY);
-    _mm256_storeu_ps(high, _mm256_blendv_ps(none, _mm256_add_ps(a, bound), real));
+    const __m256 top = _mm256_blendv_ps(none, _mm256_add_ps(a, bound), real);
+    _mm256_storeu_ps(high, top);
     *low_max = _mm256_max_ps(*low_max, _mm256_blendv_ps(none, _mm256_sub_ps(a, bound), real));
+    return top;
 }
 
-/* Rows i .. i + rows (1 or 2) of block b: each token's a_v + B_v into `high`, the largest
- * a_v - B_v of each row into low_max */
+/* Rows i .. i + rows (1 or 2) of block b: each token's a_v + B_v into `high` (the largest into
+ * block_high), the largest a_v - B_v of each row into low_max */
 static inline __attribute__((always_inline)) void screen_tile(const Screen *s, int64_t b,
                                                               int64_t i, const int rows,
                                                               __m256 *low_max) {
@@ -217,23 +243,30 @@ static inline __attribute__((always_inline)) void screen_tile(const Screen *s, i
     }
     for (int r = 0; r < rows; r++) {
         const ScreenRow *row = s->rows + i + r;
-        __m256i outlier[SCREEN_VECS] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i outlier[SCREEN_VECS];
+        for (int c = 0; c < SCREEN_VECS; c++) outlier[c] = _mm256_setzero_si256();
         for (int o = 0; o < row->groups; o++) { /* the block is in L1 still */
             const __m256i *wg = (const __m256i *)(block + row->group[o] * SCREEN_COLS * 4);
-            const __m256i four = _mm256_set1_epi32(row->levels[o]), magnitude = _mm256_abs_epi8(four);
+            const __m256i four = _mm256_set1_epi32(row->levels[o]);
+            const __m256i magnitude = _mm256_abs_epi8(four);
             for (int c = 0; c < SCREEN_VECS; c++)
                 outlier[c] = dot_fours(outlier[c], four, magnitude, _mm256_loadu_si256(wg + c));
         }
+        __m256 top = _mm256_set1_ps(-INFINITY);
         for (int c = 0; c < SCREEN_VECS; c++) {
             const int64_t v = b * SCREEN_COLS + c * 8;
-            screen_bounds(s, row, v, rest[r][c], outlier[c], s->high + (i + r) * s->n_pad + v, low_max + r);
+            float *high = s->high + (i + r) * s->n_pad + v;
+            const __m256 tops = screen_bounds(s, row, v, rest[r][c], outlier[c], high, low_max + r);
+            top = _mm256_max_ps(top, tops);
         }
+        s->block_high[(i + r) * (s->n_pad / SCREEN_COLS) + b] = hmax8(top);
     }
 }
 
 /* The float32 logits of up to 8 tokens (count) for x, as the packed head computes them (one
  * FMA an input, from 0) */
-static void head_logits(const Screen *s, const float *x, const int64_t *tokens, int count, float *out) {
+static void head_logits(const Screen *s, const float *x, const int64_t *tokens, int count,
+                        float *out) {
     int32_t at[8];
     for (int l = 0; l < 8; l++) at[l] = (int32_t)(tokens[l < count ? l : 0] * s->k);
     __m256i index = _mm256_loadu_si256((const __m256i *)at);
@@ -246,8 +279,32 @@ static void head_logits(const Screen *s, const float *x, const int64_t *tokens, 
     for (int l = 0; l < count; l++) out[l] = sums[l];
 }
 
+/* A thread's candidates of one row, computed 8 at a time in ascending order: the best so far
+ * (ties keep the first) and the logits spent */
+typedef struct {
+    int64_t tokens[8], pick, spent;
+    int count;
+    float best;
+} Candidates;
+
+/* The candidates taken so far computed; 0, or 1 where the thread has spent its budget or
+ * another thread declined */
+static int take_candidates(Screen *s, const float *x, Candidates *c) {
+    if ((c->spent += c->count) > s->budget || __atomic_load_n(&s->declined, __ATOMIC_RELAXED)) {
+        __atomic_store_n(&s->declined, 1, __ATOMIC_RELAXED); /* the caller runs the head */
+        return 1;
+    }
+    float logits[8];
+    head_logits(s, x, c->tokens, c->count, logits);
+    for (int l = 0; l < c->count; l++)
+        if (c->pick < 0 || logits[l] > c->best) c->best = logits[l], c->pick = c->tokens[l];
+    c->count = 0;
+    return 0;
+}
+
 /* Thread t of nt: its blocks' screen; then, all threads' lows known, the float32 logits of its
- * candidates, the best of each row into best and picked (-1 where it had none) */
+ * candidates (in the blocks whose largest a_v + B_v reaches the row's floor), the best of each
+ * row into best and picked (-1 where it had none) */
 static void screen_thread(Screen *s, int64_t t, int64_t nt) {
     const int64_t blocks = s->n_pad / SCREEN_COLS;
     const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
@@ -258,42 +315,42 @@ static void screen_thread(Screen *s, int64_t t, int64_t nt) {
             __m256 low_max[2] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};
             if (i + 1 < s->m) screen_tile(s, b, i, 2, low_max);
             else screen_tile(s, b, i, 1, low_max);
-            for (int r = 0; r < 2 && i + r < s->m; r++) low[i + r] = fmaxf(low[i + r], hmax8(low_max[r]));
+            for (int r = 0; r < 2 && i + r < s->m; r++)
+                low[i + r] = fmaxf(low[i + r], hmax8(low_max[r]));
         }
 #pragma omp barrier
-    int64_t tokens[8], spent = 0;
-    float logits[8];
+    Candidates c = {.spent = 0};
     for (int64_t i = 0; i < s->m; i++) {
-        float floor = -INFINITY, best = -INFINITY;
+        float floor = -INFINITY;
         for (int64_t u = 0; u < nt; u++) floor = fmaxf(floor, s->low[u * s->m + i]);
-        const float *high = s->high + i * s->n_pad, *x = s->x + i * s->x_stride;
-        int64_t pick = -1;
-        int count = 0;
-        for (int64_t v = first * SCREEN_COLS; v <= last * SCREEN_COLS; v++) {
-            const int end = v == last * SCREEN_COLS;
-            if (!end && high[v] >= floor) tokens[count++] = v;
-            if (count < 8 && !(end && count > 0)) continue;
-            if ((spent += count) > s->budget || __atomic_load_n(&s->declined, __ATOMIC_RELAXED)) {
-                __atomic_store_n(&s->declined, 1, __ATOMIC_RELAXED); /* the caller runs the head */
-                return;
-            }
-            head_logits(s, x, tokens, count, logits);
-            for (int l = 0; l < count; l++) /* ascending tokens: ties keep the first */
-                if (pick < 0 || logits[l] > best) best = logits[l], pick = tokens[l];
-            count = 0;
+        if (!isfinite(floor)) { /* an a_v - B_v overflowed: screen_row should have declined */
+            __atomic_store_n(&s->declined, 1, __ATOMIC_RELAXED);
+            return;
         }
-        s->best[t * s->m + i] = best;
-        s->picked[t * s->m + i] = pick;
+        const float *high = s->high + i * s->n_pad, *block_high = s->block_high + i * blocks;
+        const float *x = s->x + i * s->x_stride;
+        c.pick = -1, c.count = 0, c.best = -INFINITY;
+        for (int64_t b = first; b < last; b++) {
+            if (block_high[b] < floor) continue;
+            for (int64_t v = b * SCREEN_COLS; v < (b + 1) * SCREEN_COLS && v < s->n; v++) {
+                if (high[v] < floor) continue;
+                c.tokens[c.count++] = v;
+                if (c.count == 8 && take_candidates(s, x, &c)) return;
+            }
+        }
+        if (c.count > 0 && take_candidates(s, x, &c)) return;
+        s->best[t * s->m + i] = c.best;
+        s->picked[t * s->m + i] = c.pick;
     }
 }
 
 /* x [m, k] (rows x_stride apart) -> out [m], each row's greedy token; 0, or 1 where it
  * declines (a row of x not finite, more than `budget` float32 logits for a thread to compute,
  * no memory): out is then not written. weight: the float32 head's rows [n, k]; q and meta:
- * theirs packed by screen_pack_f32; high: [m][screen_columns(n)] floats of work. */
+ * theirs packed by screen_pack_f32; work: screen_work_floats(m, n) floats. */
 int screen_greedy_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q,
                       const float *meta, const float *weight, int64_t n, int64_t budget,
-                      float *high, int64_t *out, int num_threads) {
+                      float *work, int64_t *out, int num_threads) {
     if (m <= 0) return 1;
     const int64_t k4 = screen_k4(k), n_pad = screen_columns(n);
     int8_t *xq = malloc(m * k4);
@@ -301,10 +358,14 @@ int screen_greedy_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, co
     float *shared = malloc(2 * (size_t)num_threads * m * sizeof(float));
     int64_t *picked = malloc((size_t)num_threads * m * sizeof(int64_t));
     int status = xq == NULL || rows == NULL || shared == NULL || picked == NULL;
-    for (int64_t i = 0; i < m && !status; i++) status = screen_row(x + i * x_stride, k, xq + i * k4, rows + i);
+    float w_norm = 0.0f; /* the largest |w_v|, from meta's 2 gamma_k |w_v| */
+    for (int64_t v = 0; v < n; v++) w_norm = fmaxf(w_norm, meta[3 * n_pad + v]);
+    w_norm = (float)(w_norm / (2.0 * gamma_of(k)));
+    for (int64_t i = 0; i < m && !status; i++)
+        status = screen_row(x + i * x_stride, k, w_norm, xq + i * k4, rows + i);
     if (!status) {
-        Screen s = {x, x_stride, m, k, k4, n, n_pad, q, meta, weight, budget, xq, rows, high,
-                    shared, shared + (size_t)num_threads * m, picked, 0};
+        Screen s = {x, x_stride, m, k, k4, n, n_pad, q, meta, weight, budget, xq, rows, work,
+                    work + m * n_pad, shared, shared + (size_t)num_threads * m, picked, 0};
         int threads = num_threads;
 #pragma omp parallel num_threads(num_threads)
         {
@@ -316,7 +377,7 @@ int screen_greedy_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, co
         for (int64_t i = 0; i < m && !status; i++) {
             float best = -INFINITY;
             out[i] = -1;
-            for (int t = 0; t < threads; t++) /* the threads' tokens in order: ties keep the first */
+            for (int t = 0; t < threads; t++) /* the threads' tokens in order: ties keep first */
                 if (picked[t * m + i] >= 0 && (out[i] < 0 || s.best[t * m + i] > best))
                     best = s.best[t * m + i], out[i] = picked[t * m + i];
         }
