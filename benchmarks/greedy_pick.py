@@ -68,6 +68,65 @@ def _alone_times(argmax, logits: torch.Tensor, flush: torch.Tensor, rounds: int)
     return list(times.items())
 
 
+def paired_steps(llm, batch, names: list[str], use, pairs: int) -> dict[str, list[float]]:
+    """The times of `pairs` pairs of decode steps of `batch` decoding together (greedy, EOS
+    ignored), use(name) before each step of way `name`, the order alternated; then the batch run
+    to its end (with the first way)."""
+    engine = llm.engine
+    add_decoding(engine, batch, [], 2 * pairs + 24)
+    started: set[str] = set()
+    while len(started) < len(batch):
+        started |= {delta.request_id for delta in engine.step()}
+    steps: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(pairs):
+        for name in names if i % 2 == 0 else names[::-1]:
+            use(name)
+            begun = time.perf_counter()
+            engine.step()
+            steps[name].append(time.perf_counter() - begun)
+    use(names[0])
+    while engine.has_unfinished():
+        engine.step()
+    return steps
+
+
+def paired_runs(llm, batches, names: list[str], use) -> dict[str, list[float]]:
+    """Output tokens/s of whole runs (NEW_TOKENS each, greedy, EOS ignored), one batch of
+    `batches` a run, the ways in turn (use(name) before each), the order alternated."""
+    from loraplex import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    fresh = iter(batches)
+    for i in range(len(batches) // len(names)):
+        for name in names if i % 2 == 0 else names[::-1]:
+            use(name)
+            begun = time.perf_counter()
+            llm.generate(next(fresh), params)
+            runs[name].append(SEQUENCES * NEW_TOKENS / (time.perf_counter() - begun))
+    use(names[0])
+    return runs
+
+
+def print_pairs(steps: dict[str, list[float]], runs: dict[str, list[float]]) -> None:
+    """The two ways' decode steps and whole runs: medians, paired differences and ratios."""
+    ours, theirs = steps
+    differences = [a - b for a, b in zip(steps[ours], steps[theirs], strict=True)]
+    print(
+        f"decode step: {ours} {statistics.median(steps[ours]) * 1e3:.2f} ms, {theirs} "
+        f"{statistics.median(steps[theirs]) * 1e3:.2f} ms, difference "
+        f"{statistics.median(differences) * 1e3:+.3f} ms (median of {len(differences)} pairs)"
+    )
+    ratios = [a / b for a, b in zip(runs[ours], runs[theirs], strict=True)]
+    pairs = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(runs[ours], runs[theirs], strict=True))
+    print(f"whole runs, tok/s {ours}/{theirs} pair by pair: {pairs}")
+    print(
+        f"whole runs ({SEQUENCES} x {PROMPT_TOKENS} + {NEW_TOKENS} tokens): {ours} "
+        f"{statistics.median(runs[ours]):.1f} tok/s, {theirs} {statistics.median(runs[theirs]):.1f}"
+        f" tok/s, {statistics.median(ratios):.3f}x (median of {len(ratios)} pairs)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -79,57 +138,27 @@ def main() -> None:
     torch.set_num_threads(2)
     alone()
 
-    from loraplex import LLM, SamplingParams
+    import os
+
+    # the LM head's screen (Zen 3, float32) picks greedy steps without the logits this pass reads
+    os.environ.setdefault("LORAPLEX_SCREEN", "0")
+    from loraplex import LLM
     from loraplex.engine.sampler import Sampler
 
     llm = LLM(model="default", dtype=args.dtype)
-    engine, one_pass = llm.engine, Sampler.greedy
+    one_pass = Sampler.greedy
     ways = {"one pass": one_pass, "float32 copy": lambda *args, **kwargs: None}
-    names = list(ways)
+
+    def use(name: str) -> None:
+        Sampler.greedy = ways[name]
+
     prompts = make_prompts(llm.tokenizer, SEQUENCES * (1 + 2 * args.rounds), PROMPT_TOKENS)
     batches = [prompts[i : i + SEQUENCES] for i in range(0, len(prompts), SEQUENCES)]
-
-    add_decoding(engine, batches[0], [], 2 * args.steps + 24)
-    started: set[str] = set()
-    while len(started) < SEQUENCES:
-        started |= {delta.request_id for delta in engine.step()}
-    steps: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(args.steps):
-        for name in names if i % 2 == 0 else names[::-1]:
-            Sampler.greedy = ways[name]
-            begun = time.perf_counter()
-            engine.step()
-            steps[name].append(time.perf_counter() - begun)
-    Sampler.greedy = one_pass
-    while engine.has_unfinished():
-        engine.step()
-
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    runs: dict[str, list[float]] = {name: [] for name in names}
-    fresh = iter(batches[1:])
-    for i in range(args.rounds):
-        for name in names if i % 2 == 0 else names[::-1]:
-            Sampler.greedy = ways[name]
-            begun = time.perf_counter()
-            llm.generate(next(fresh), params)
-            runs[name].append(SEQUENCES * NEW_TOKENS / (time.perf_counter() - begun))
-    Sampler.greedy = one_pass
-
-    ours, theirs = names
-    dtype = str(engine.config.torch_dtype).removeprefix("torch.")
+    steps = paired_steps(llm, batches[0], list(ways), use, args.steps)
+    runs = paired_runs(llm, batches[1:], list(ways), use)
+    dtype = str(llm.engine.config.torch_dtype).removeprefix("torch.")
     print(f"model SmolLM2, {dtype}, 2 threads, base model, {SEQUENCES} sequences, greedy")
-    differences = [a - b for a, b in zip(steps[ours], steps[theirs], strict=True)]
-    print(
-        f"decode step: {ours} {statistics.median(steps[ours]) * 1e3:.2f} ms, {theirs} "
-        f"{statistics.median(steps[theirs]) * 1e3:.2f} ms, difference "
-        f"{statistics.median(differences) * 1e3:+.3f} ms (median of {args.steps} pairs)"
-    )
-    ratios = [a / b for a, b in zip(runs[ours], runs[theirs], strict=True)]
-    print(
-        f"whole runs ({SEQUENCES} x {PROMPT_TOKENS} + {NEW_TOKENS} tokens): {ours} "
-        f"{statistics.median(runs[ours]):.1f} tok/s, {theirs} {statistics.median(runs[theirs]):.1f}"
-        f" tok/s, {statistics.median(ratios):.3f}x (median of {args.rounds} pairs)"
-    )
+    print_pairs(steps, runs)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,7 @@ import time
 
 import torch
 from engine_throughput import make_prompts
-from lora_floor import add_decoding
-
-SEQUENCES, PROMPT_TOKENS, NEW_TOKENS = 32, 64, 64
+from greedy_pick import NEW_TOKENS, PROMPT_TOKENS, SEQUENCES, paired_runs, paired_steps, print_pairs
 
 
 def alone(model, argmax, states: torch.Tensor, rounds: int) -> None:
@@ -63,15 +61,19 @@ def main() -> None:
     from loraplex import LLM, SamplingParams
 
     llm = LLM(model="default", dtype="float32")
-    engine = llm.engine
-    model = engine.runner.model
+    model = llm.engine.runner.model
     screen = model._screen
     if screen is None:
         raise SystemExit("no screen on this machine (LORAPLEX_SCREEN=0, or no AVX2 build)")
+    ways = {"screen": screen, "full head": None}
+
+    def use(name: str) -> None:
+        model._screen = ways[name]
+
     prompts = make_prompts(llm.tokenizer, SEQUENCES * (2 + 2 * args.rounds), PROMPT_TOKENS)
     batches = [prompts[i : i + SEQUENCES] for i in range(0, len(prompts), SEQUENCES)]
 
-    states: list[torch.Tensor] = []
+    states: list[torch.Tensor] = []  # the final hidden states of the decode steps' 32 rows
     picks = model.greedy_picks
 
     def recorded(hidden):
@@ -80,57 +82,20 @@ def main() -> None:
         return picks(hidden)
 
     model.greedy_picks = recorded
-    add_decoding(engine, batches[0], [], 2 * args.steps + 24)
-    started: set[str] = set()
-    while len(started) < SEQUENCES:
-        started |= {delta.request_id for delta in engine.step()}
-    ways = {"screen": screen, "full head": None}
-    names = list(ways)
-    steps: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(args.steps):
-        for name in names if i % 2 == 0 else names[::-1]:
-            model._screen = ways[name]
-            begun = time.perf_counter()
-            engine.step()
-            steps[name].append(time.perf_counter() - begun)
-    model._screen = screen
-    while engine.has_unfinished():
-        engine.step()
+    steps = paired_steps(llm, batches[0], list(ways), use, args.steps)
     model.greedy_picks = picks
-    alone(model, engine.runner.sampler._argmax, torch.cat(states), 60)
+    alone(model, llm.engine.runner.sampler._argmax, torch.cat(states), 60)
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = {}
-    for name in names:
-        model._screen = ways[name]
+    for name in ways:
+        use(name)
         outputs[name] = [out.outputs[0].token_ids for out in llm.generate(batches[1], params)]
-    same = outputs["screen"] == outputs["full head"]
-    runs: dict[str, list[float]] = {name: [] for name in names}
-    fresh = iter(batches[2:])
-    for i in range(args.rounds):
-        for name in names if i % 2 == 0 else names[::-1]:
-            model._screen = ways[name]
-            begun = time.perf_counter()
-            llm.generate(next(fresh), params)
-            runs[name].append(SEQUENCES * NEW_TOKENS / (time.perf_counter() - begun))
-    model._screen = screen
-
-    ours, theirs = names
+    use("screen")
+    runs = paired_runs(llm, batches[2:], list(ways), use)
     print(f"model SmolLM2, float32, 2 threads, base model, {SEQUENCES} sequences, greedy")
-    differences = [a - b for a, b in zip(steps[ours], steps[theirs], strict=True)]
-    print(
-        f"decode step: {ours} {statistics.median(steps[ours]) * 1e3:.2f} ms, {theirs} "
-        f"{statistics.median(steps[theirs]) * 1e3:.2f} ms, difference "
-        f"{statistics.median(differences) * 1e3:+.3f} ms (median of {args.steps} pairs)"
-    )
-    ratios = [a / b for a, b in zip(runs[ours], runs[theirs], strict=True)]
-    pairs = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(runs[ours], runs[theirs], strict=True))
-    print(f"whole runs, tok/s {ours}/{theirs} pair by pair: {pairs}")
-    print(
-        f"whole runs ({SEQUENCES} x {PROMPT_TOKENS} + {NEW_TOKENS} tokens): {ours} "
-        f"{statistics.median(runs[ours]):.1f} tok/s, {theirs} {statistics.median(runs[theirs]):.1f}"
-        f" tok/s, {statistics.median(ratios):.3f}x (median of {args.rounds} pairs)"
-    )
+    print_pairs(steps, runs)
+    same = outputs["screen"] == outputs["full head"]
     print(f"same tokens both ways: {same}; steps the screen declined: {screen.declined}")
 
 
