@@ -65,13 +65,13 @@ class ModelRunner:
             hidden = hidden[: len(sampling)]
         if not sampling:
             return StepResult()
-        if self.sampler.plain_greedy(sampling, masks):
-            tokens = self.model.greedy_picks(hidden)
-            if tokens is not None:  # the screen takes only rows whose logits are all finite
-                return _greedy_result(sampling, tokens, torch.ones(len(sampling), dtype=torch.bool))
+        greedy = self.sampler.plain_greedy(sampling, masks)
+        tokens = self.model.greedy_picks(hidden) if greedy else None
+        if tokens is not None:  # the screen takes only rows whose logits are all finite
+            return _greedy_result(sampling, tokens)
         logits = self.model.head(hidden)  # [num_sampling, vocab], the serving dtype
         # a greedy step's tokens, and which rows are finite, in one pass over them
-        picks = self.sampler.greedy(logits, sampling, masks)
+        picks = self.sampler.greedy(logits) if greedy else None
         if picks is not None:
             return _greedy_result(sampling, *picks)
         return self._sampled_result(sampling, logits.float(), masks)
@@ -103,10 +103,14 @@ class ModelRunner:
 
 
 def _greedy_result(
-    sampling: list[Sequence], tokens: torch.Tensor, finite: torch.Tensor
+    sampling: list[Sequence], tokens: torch.Tensor, finite: torch.Tensor | None = None
 ) -> StepResult:
-    """A greedy step's result from its picks and its rows' finiteness (Sampler.greedy)."""
-    result, sampling, rows = _split_failed(sampling, finite)
+    """A greedy step's result from its picks and its rows' finiteness (Sampler.greedy; None
+    where every row is finite)."""
+    if finite is None:
+        result, rows = StepResult(), None
+    else:
+        result, sampling, rows = _split_failed(sampling, finite)
     kept = tokens if rows is None else tokens[rows]
     result.sampled = [
         (seq, token, None) for seq, token in zip(sampling, kept.tolist(), strict=True)

@@ -34,17 +34,12 @@ class Sampler:
         self._shared_generator = torch.Generator().manual_seed(seed)
         self._argmax = argmax
 
-    def greedy(
-        self, logits: torch.Tensor, seqs: list[Sequence], masks: Masks | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where every one of `seqs` samples greedily, nothing changes its logits first (no
-        penalty, logit bias or structured-output mask) and none asks for log-probabilities:
-        each row's token (int64) and whether its logits are all finite (bool), from one pass
-        over `logits` in the dtype the model gave them (bfloat16 needs no float32 copy). None
-        otherwise, or where the argmax has no such pass: then the runner takes float32 logits
-        to __call__."""
-        if not self.plain_greedy(seqs, masks):
-            return None
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a step whose sequences all pick greedily and ask for nothing more (plain_greedy,
+        which the caller checks): each row's token (int64) and whether its logits are all
+        finite (bool), from one pass over `logits` in the dtype the model gave them (bfloat16
+        needs no float32 copy). None where the argmax has no such pass: then the runner takes
+        float32 logits to __call__."""
         return self._argmax.greedy(logits)
 
     @staticmethod

@@ -45,10 +45,14 @@ class CpuScreenF32:
         self._pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         self._pack.argtypes += [ctypes.c_void_p] * 2
         self._pack.restype = ctypes.c_int
+        self._weight_norm = lib.screen_weight_norm
+        self._weight_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self._weight_norm.restype = ctypes.c_float
         if self.native:
             self._greedy = lib.screen_greedy_f32
             self._greedy.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
-            self._greedy.argtypes += [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+            self._greedy.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_float, ctypes.c_void_p]
+            self._greedy.argtypes += [ctypes.c_int64] * 2
             self._greedy.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int]
             self._greedy.restype = ctypes.c_int
 
@@ -65,7 +69,8 @@ class CpuScreenF32:
         meta = torch.empty(_SCREEN_META, int(self._columns(n)), dtype=torch.float32)  # [4, n_pad]
         if self._pack(weight.data_ptr(), n, k, q.data_ptr(), meta.data_ptr()) != 0:
             return None
-        return ScreenedHead(self, q, meta, weight)
+        weight_norm = self._weight_norm(meta.data_ptr(), n, k)  # the largest |w_v|
+        return ScreenedHead(self, q, meta, weight_norm, weight)
 
 
 class ScreenedHead:
@@ -78,9 +83,15 @@ class ScreenedHead:
     streak, rest = 8, 256
 
     def __init__(
-        self, screen: CpuScreenF32, q: torch.Tensor, meta: torch.Tensor, weight: torch.Tensor
+        self,
+        screen: CpuScreenF32,
+        q: torch.Tensor,
+        meta: torch.Tensor,
+        weight_norm: float,
+        weight: torch.Tensor,
     ) -> None:
         self._screen, self._q, self._meta, self._weight = screen, q, meta, weight
+        self._weight_norm = weight_norm
         self.n, self.k = weight.shape
         self._work, self._work_rows = torch.empty(0, dtype=torch.float32), 0  # kept between steps
         self.picked = self.declined = 0
@@ -102,8 +113,8 @@ class ScreenedHead:
         out = torch.empty(rows, dtype=torch.int64)
         status = self._screen._greedy(
             x.data_ptr(), x.stride(0), rows, self.k, self._q.data_ptr(), self._meta.data_ptr(),
-            self._weight.data_ptr(), self.n, self._screen.budget, self._work.data_ptr(),
-            out.data_ptr(), torch.get_num_threads(),
+            self._weight_norm, self._weight.data_ptr(), self.n, self._screen.budget,
+            self._work.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             self.declined += 1

@@ -93,6 +93,13 @@ int screen_pack_f32(const float *w, int64_t n, int64_t k, int8_t *q, float *meta
     return 0;
 }
 
+/* The largest |w_v| of a packed head, from meta's 2 gamma_k |w_v| (once, for screen_greedy_f32) */
+float screen_weight_norm(const float *meta, int64_t n, int64_t k) {
+    float top = 0.0f;
+    for (int64_t v = 0; v < n; v++) top = fmaxf(top, meta[3 * screen_columns(n) + v]);
+    return (float)(top / (2.0 * gamma_of(k)));
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 int screen_native_f32(void) { return 1; }
 
@@ -347,10 +354,11 @@ static void screen_thread(Screen *s, int64_t t, int64_t nt) {
 /* x [m, k] (rows x_stride apart) -> out [m], each row's greedy token; 0, or 1 where it
  * declines (a row of x not finite, more than `budget` float32 logits for a thread to compute,
  * no memory): out is then not written. weight: the float32 head's rows [n, k]; q and meta:
- * theirs packed by screen_pack_f32; work: screen_work_floats(m, n) floats. */
+ * theirs packed by screen_pack_f32, w_norm their screen_weight_norm; work:
+ * screen_work_floats(m, n) floats. */
 int screen_greedy_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const int8_t *q,
-                      const float *meta, const float *weight, int64_t n, int64_t budget,
-                      float *work, int64_t *out, int num_threads) {
+                      const float *meta, float w_norm, const float *weight, int64_t n,
+                      int64_t budget, float *work, int64_t *out, int num_threads) {
     if (m <= 0) return 1;
     const int64_t k4 = screen_k4(k), n_pad = screen_columns(n);
     int8_t *xq = malloc(m * k4);
@@ -358,9 +366,6 @@ int screen_greedy_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, co
     float *shared = malloc(2 * (size_t)num_threads * m * sizeof(float));
     int64_t *picked = malloc((size_t)num_threads * m * sizeof(int64_t));
     int status = xq == NULL || rows == NULL || shared == NULL || picked == NULL;
-    float w_norm = 0.0f; /* the largest |w_v|, from meta's 2 gamma_k |w_v| */
-    for (int64_t v = 0; v < n; v++) w_norm = fmaxf(w_norm, meta[3 * n_pad + v]);
-    w_norm = (float)(w_norm / (2.0 * gamma_of(k)));
     for (int64_t i = 0; i < m && !status; i++)
         status = screen_row(x + i * x_stride, k, w_norm, xq + i * k4, rows + i);
     if (!status) {
