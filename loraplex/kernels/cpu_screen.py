@@ -9,6 +9,10 @@ the native head and argmax on 32 rows (0.28x on one), and decode steps of 32 seq
 4.5-5.4 ms shorter (benchmarks/greedy_screen.py; docs/performance.md, "Zen 3: the LM head
 screened in 8-bit integers"). Its integer products went at about the rate of float32 FMAs there,
 not twice it: it wins by running near that rate where the float32 head runs at about half of it.
+With AVX512-VNNI one instruction makes 64 products and adds them: on a 2-core Xeon with AMX in
+float32 the screen took 0.50-0.55x the time of the head and argmax on 32 rows, and decode steps of
+32 sequences were about 4 ms shorter (docs/performance.md, "The screen through AVX512-VNNI"),
+where the AVX2 tile, which CPUs with AVX-512 but not VNNI take, took 1.19x.
 """
 
 from __future__ import annotations
@@ -20,13 +24,13 @@ import torch
 
 from loraplex.kernels import cpu_lora
 
-_SCREEN_META = 4  # per token: step, |w - w~|, |w~|, 2 gamma_k |w| (cpu/screen_f32.c)
-
 
 class CpuScreenF32:
     """The library's screen, where it runs (the AVX2 and AVX-512 builds, beside the float32
-    projection); `measured`: whether it was measured faster than the full head on this CPU
-    (Zen 3), so the engine takes it by default."""
+    projection); `wide`: whether it has the AVX512-VNNI tile; `measured`: whether it was
+    measured faster than the full head on this CPU, so the engine takes it by default: Zen 3's
+    AVX2 tile, and the AVX512-VNNI tile (measured on a Xeon with AMX in float32: the head and its
+    picks 0.4x the time on 32 rows, docs/performance.md)."""
 
     # float32 logits a thread may compute a step before the screen declines (the full head then
     # runs): SmolLM2's rows left 7 a row at the median, 114 at most (docs/performance.md)
@@ -34,9 +38,10 @@ class CpuScreenF32:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.native = bool(lib.screen_native_f32())
-        self.measured = self.native and cpu_lora.zen3()
-        self._columns = lib.screen_columns
-        self._columns.argtypes, self._columns.restype = [ctypes.c_int64], ctypes.c_int64
+        self.wide = bool(lib.screen_wide())
+        self.measured = self.native and (self.wide or cpu_lora.zen3())
+        self._meta = lib.screen_meta_floats
+        self._meta.argtypes, self._meta.restype = [ctypes.c_int64], ctypes.c_int64
         self._bytes = lib.screen_packed_bytes
         self._bytes.argtypes, self._bytes.restype = [ctypes.c_int64] * 2, ctypes.c_int64
         self._work = lib.screen_work_floats
@@ -66,7 +71,8 @@ class CpuScreenF32:
             return None
         n, k = weight.shape
         q = torch.empty(int(self._bytes(n, k)), dtype=torch.int8)
-        meta = torch.empty(_SCREEN_META, int(self._columns(n)), dtype=torch.float32)  # [4, n_pad]
+        # per token: step, |w - w~|, |w~|, 2 gamma_k |w|, the offset's start (cpu/screen_f32.c)
+        meta = torch.empty(int(self._meta(n)), dtype=torch.float32)
         if self._pack(weight.data_ptr(), n, k, q.data_ptr(), meta.data_ptr()) != 0:
             return None
         weight_norm = self._weight_norm(meta.data_ptr(), n, k)  # the largest |w_v|

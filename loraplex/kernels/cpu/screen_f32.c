@@ -26,13 +26,27 @@
  * nothing in most rows. Both operands keep 8 bits with vpmaddubsw taking |x~| against w~ with
  * x~'s signs (vpsignb): a pair of products stays within 2 * 127 * 127 and never saturates.
  *
+ * With AVX512-VNNI (the wide tile) one vpdpbusd makes a group of 4 inputs' products of 16 tokens
+ * and adds them: it takes unsigned bytes against signed ones, so x~_r's levels go in offset by
+ * 128 (1 .. 255), and each token's sum starts from -128 times the sum of its levels, which that
+ * offset adds; x~_o's few groups keep |x~_o| against w~ with x~_o's signs. Both ways the sums are
+ * the same integers.
+ *
  * Packed: the screen's weights in blocks of SCREEN_COLS tokens, each [k4 / 4][SCREEN_COLS][4]
- * (k4: k rounded up to 4), for each group of 4 inputs 4 bytes a token, 8 tokens a vector; meta
- * [4][n_pad] float: each token's step, |w_v - w~_v|, |w~_v| and 2 gamma_k |w_v|, each
- * rounded up. */
+ * (k4: k rounded up to 4), for each group of 4 inputs 4 bytes a token, 8 tokens a vector (16 in
+ * the wide tile); meta [SCREEN_META][n_pad] float: each token's step, |w_v - w~_v|, |w~_v| and 2
+ * gamma_k |w_v|, each rounded up, then (int32) -128 times the sum of w~_v's levels. */
 
-#define SCREEN_COLS 24
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define SCREEN_WIDE 1
+#define SCREEN_COLS 48 /* 3 vectors of 16 tokens */
+#define SCREEN_ROWS 4  /* rows of x a tile takes at once */
+#else
+#define SCREEN_COLS 24 /* 3 vectors of 8 tokens */
+#define SCREEN_ROWS 2
+#endif
 #define SCREEN_VECS 3
+#define SCREEN_META 5
 #define SCREEN_OUTLIERS 16
 #define SCREEN_LEVELS 127
 
@@ -42,9 +56,12 @@ static int64_t screen_k4(int64_t k) { return (k + 3) / 4 * 4; }
 
 int64_t screen_packed_bytes(int64_t n, int64_t k) { return screen_columns(n) * screen_k4(k); }
 
-/* The floats of work a call on m rows takes: each token's a_v + B_v, and each block's largest */
+int64_t screen_meta_floats(int64_t n) { return SCREEN_META * screen_columns(n); }
+
+/* The floats of work a call on m rows takes: each token's a_v + B_v, each block's largest, and
+ * room to align the first to 64 bytes */
 int64_t screen_work_floats(int64_t m, int64_t n) {
-    return m * (screen_columns(n) + screen_columns(n) / SCREEN_COLS);
+    return m * (screen_columns(n) + screen_columns(n) / SCREEN_COLS) + 16;
 }
 
 static double rounded_up(double v) { return v * (1.0 + 1e-6) + 1e-30; }
@@ -74,6 +91,7 @@ int screen_pack_f32(const float *w, int64_t n, int64_t k, int8_t *q, float *meta
         }
         const float step = top > 0.0f ? top / SCREEN_LEVELS : 1.0f;
         double lost = 0.0, kept = 0.0, whole = 0.0;
+        int32_t levels = 0;
         int8_t *block = q + v / SCREEN_COLS * SCREEN_COLS * k4;
         for (int64_t p = 0; p < k4; p++) {
             const long level = v < n && p < k ? level_of(row[p], step) : 0;
@@ -82,6 +100,7 @@ int screen_pack_f32(const float *w, int64_t n, int64_t k, int8_t *q, float *meta
                 lost += (row[p] - approx) * (row[p] - approx);
                 kept += approx * approx;
                 whole += (double)row[p] * row[p];
+                levels += (int32_t)level;
             }
             block[p / 4 * SCREEN_COLS * 4 + v % SCREEN_COLS * 4 + p % 4] = (int8_t)level;
         }
@@ -89,6 +108,7 @@ int screen_pack_f32(const float *w, int64_t n, int64_t k, int8_t *q, float *meta
         meta[n_pad + v] = (float)rounded_up(sqrt(lost));
         meta[2 * n_pad + v] = (float)rounded_up(sqrt(kept));
         meta[3 * n_pad + v] = (float)rounded_up(2.0 * gamma * sqrt(whole));
+        ((int32_t *)(meta + 4 * n_pad))[v] = -128 * levels;
     }
     return 0;
 }
@@ -102,6 +122,12 @@ float screen_weight_norm(const float *meta, int64_t n, int64_t k) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 int screen_native_f32(void) { return 1; }
+
+#ifdef SCREEN_WIDE
+int screen_wide(void) { return 1; }
+#else
+int screen_wide(void) { return 0; }
+#endif
 
 /* One row of x as the screen takes it: the steps of x~_r and x~_o, |x| and |x - x~|, and the
  * groups of 4 inputs holding x~_o (their index and 4 levels) */
@@ -125,8 +151,8 @@ static int find_outliers(const float *x, int64_t k, int64_t *dims) {
     return count;
 }
 
-/* x [k] -> xq [k4] (x~_r's levels) and its ScreenRow; 1 where x is not all finite or so large
- * that its logits might not be (w_norm: the largest |w_v|) */
+/* x [k] -> xq [k4] (x~_r's levels, offset by 128 in the wide tile) and its ScreenRow; 1 where x
+ * is not all finite or so large that its logits might not be (w_norm: the largest |w_v|) */
 static int screen_row(const float *x, int64_t k, float w_norm, int8_t *xq, ScreenRow *r) {
     int64_t dims[SCREEN_OUTLIERS];
     const int outliers = find_outliers(x, k, dims);
@@ -149,7 +175,11 @@ static int screen_row(const float *x, int64_t k, float w_norm, int8_t *xq, Scree
         const long level = level_of(v, step);
         const double left = v - (double)step * (double)level;
         error += left * left;
+#ifdef SCREEN_WIDE
+        xq[p] = (int8_t)(uint8_t)((is_outlier ? 0 : level) + 128);
+#else
         xq[p] = is_outlier ? 0 : (int8_t)level;
+#endif
         if (!is_outlier) continue;
         if (r->groups == 0 || r->group[r->groups - 1] != p / 4)
             r->group[r->groups] = p / 4, r->levels[r->groups++] = 0;
@@ -188,17 +218,10 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-/* sum += the 4-input dot products of x~'s four levels `four` (broadcast) with each of 8 tokens
- * of w: |x~| against w~ with x~'s signs, in pairs (never saturating), then in fours */
-static inline __m256i dot_fours(__m256i sum, __m256i four, __m256i magnitude, __m256i w) {
-    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w, four));
-    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-/* a_v + B_v of 8 tokens from v into `high` (and returned), a_v - B_v into low_max; rest and
- * outlier: their integer dot products */
+/* a_v + B_v of 8 tokens from v, returned; a_v - B_v into low_max; rest and outlier: their
+ * integer dot products */
 static inline __m256 screen_bounds(const Screen *s, const ScreenRow *row, int64_t v, __m256i rest,
-                                   __m256i outlier, float *high, __m256 *low_max) {
+                                   __m256i outlier, __m256 *low_max) {
     const float *meta = s->meta + v;
     const __m256 rests = _mm256_mul_ps(_mm256_cvtepi32_ps(rest), _mm256_set1_ps(row->rest_step));
     const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(outlier),
@@ -224,19 +247,84 @@ static inline __m256 screen_bounds(const Screen *s, const ScreenRow *row, int64_
         _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)s->n), lanes));
     const __m256 none = _mm256_set1_ps(-INFINITY);
     const __m256 top = _mm256_blendv_ps(none, _mm256_add_ps(a, bound), real);
-    _mm256_storeu_ps(high, top);
     *low_max = _mm256_max_ps(*low_max, _mm256_blendv_ps(none, _mm256_sub_ps(a, bound), real));
     return top;
 }
 
-/* Rows i .. i + rows (1 or 2) of block b: each token's a_v + B_v into `high` (the largest into
- * block_high), the largest a_v - B_v of each row into low_max */
+#ifdef SCREEN_WIDE
+/* Half h of 16 lanes */
+static inline __m256i half_of(__m512i v, int h) {
+    return h == 0 ? _mm512_castsi512_si256(v) : _mm512_extracti64x4_epi64(v, 1);
+}
+
+/* Rows i .. i + rows (1 to SCREEN_ROWS) of block b: each token's a_v + B_v into `high` (the
+ * largest into block_high), the largest a_v - B_v of each row into lows */
 static inline __attribute__((always_inline)) void screen_tile(const Screen *s, int64_t b,
                                                               int64_t i, const int rows,
-                                                              __m256 *low_max) {
+                                                              float *lows) {
     const int8_t *block = s->q + b * SCREEN_COLS * s->k4;
-    __m256i rest[2][SCREEN_VECS];
-    for (int r = 0; r < 2; r++)
+    const int32_t *start = (const int32_t *)(s->meta + 4 * s->n_pad) + b * SCREEN_COLS;
+    __m512i rest[SCREEN_ROWS][SCREEN_VECS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < SCREEN_VECS; c++) rest[r][c] = _mm512_loadu_si512(start + c * 16);
+    for (int64_t g = 0; g < s->k4 / 4; g++) {
+        const __m512i *wg = (const __m512i *)(block + g * SCREEN_COLS * 4);
+        __m512i w[SCREEN_VECS];
+        for (int c = 0; c < SCREEN_VECS; c++) w[c] = _mm512_loadu_si512(wg + c);
+        for (int r = 0; r < rows; r++) {
+            int32_t levels; /* x~_r's 4 levels, offset by 128 */
+            memcpy(&levels, s->xq + (i + r) * s->k4 + g * 4, 4);
+            const __m512i four = _mm512_set1_epi32(levels);
+            for (int c = 0; c < SCREEN_VECS; c++)
+                rest[r][c] = _mm512_dpbusd_epi32(rest[r][c], four, w[c]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const ScreenRow *row = s->rows + i + r;
+        __m512i outlier[SCREEN_VECS];
+        for (int c = 0; c < SCREEN_VECS; c++) outlier[c] = _mm512_setzero_si512();
+        for (int o = 0; o < row->groups; o++) { /* the block is in L1 still */
+            const __m512i *wg = (const __m512i *)(block + row->group[o] * SCREEN_COLS * 4);
+            const __m512i four = _mm512_set1_epi32(row->levels[o]);
+            const __m512i magnitude = _mm512_abs_epi8(four);
+            const __mmask64 negative = _mm512_movepi8_mask(four);
+            for (int c = 0; c < SCREEN_VECS; c++) {
+                const __m512i w = _mm512_loadu_si512(wg + c);
+                const __m512i zero = _mm512_setzero_si512();
+                const __m512i signed_w = _mm512_mask_sub_epi8(w, negative, zero, w);
+                outlier[c] = _mm512_dpbusd_epi32(outlier[c], magnitude, signed_w);
+            }
+        }
+        __m256 top = _mm256_set1_ps(-INFINITY), low_max = _mm256_set1_ps(-INFINITY);
+        for (int c = 0; c < SCREEN_VECS; c++)
+            for (int h = 0; h < 2; h++) {
+                const int64_t v = b * SCREEN_COLS + c * 16 + h * 8;
+                const __m256 tops = screen_bounds(s, row, v, half_of(rest[r][c], h),
+                                                  half_of(outlier[c], h), &low_max);
+                /* past the caches: only the blocks that reach a row's floor are read again */
+                _mm256_stream_ps(s->high + (i + r) * s->n_pad + v, tops);
+                top = _mm256_max_ps(top, tops);
+            }
+        s->block_high[(i + r) * (s->n_pad / SCREEN_COLS) + b] = hmax8(top);
+        lows[r] = hmax8(low_max);
+    }
+}
+#else
+/* sum += the 4-input dot products of x~'s four levels `four` (broadcast) with each of 8 tokens
+ * of w: |x~| against w~ with x~'s signs, in pairs (never saturating), then in fours */
+static inline __m256i dot_fours(__m256i sum, __m256i four, __m256i magnitude, __m256i w) {
+    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w, four));
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* Rows i .. i + rows (1 to SCREEN_ROWS) of block b: each token's a_v + B_v into `high` (the
+ * largest into block_high), the largest a_v - B_v of each row into lows */
+static inline __attribute__((always_inline)) void screen_tile(const Screen *s, int64_t b,
+                                                              int64_t i, const int rows,
+                                                              float *lows) {
+    const int8_t *block = s->q + b * SCREEN_COLS * s->k4;
+    __m256i rest[SCREEN_ROWS][SCREEN_VECS];
+    for (int r = 0; r < SCREEN_ROWS; r++)
         for (int c = 0; c < SCREEN_VECS; c++) rest[r][c] = _mm256_setzero_si256();
     for (int64_t g = 0; g < s->k4 / 4; g++) {
         const __m256i *wg = (const __m256i *)(block + g * SCREEN_COLS * 4);
@@ -259,14 +347,28 @@ static inline __attribute__((always_inline)) void screen_tile(const Screen *s, i
             for (int c = 0; c < SCREEN_VECS; c++)
                 outlier[c] = dot_fours(outlier[c], four, magnitude, _mm256_loadu_si256(wg + c));
         }
-        __m256 top = _mm256_set1_ps(-INFINITY);
+        __m256 top = _mm256_set1_ps(-INFINITY), low_max = _mm256_set1_ps(-INFINITY);
         for (int c = 0; c < SCREEN_VECS; c++) {
             const int64_t v = b * SCREEN_COLS + c * 8;
-            float *high = s->high + (i + r) * s->n_pad + v;
-            const __m256 tops = screen_bounds(s, row, v, rest[r][c], outlier[c], high, low_max + r);
+            const __m256 tops = screen_bounds(s, row, v, rest[r][c], outlier[c], &low_max);
+            _mm256_storeu_ps(s->high + (i + r) * s->n_pad + v, tops);
             top = _mm256_max_ps(top, tops);
         }
         s->block_high[(i + r) * (s->n_pad / SCREEN_COLS) + b] = hmax8(top);
+        lows[r] = hmax8(low_max);
+    }
+}
+#endif
+
+/* screen_tile with the number of rows known to the compiler */
+static void screen_tiles(const Screen *s, int64_t b, int64_t i, int rows, float *lows) {
+    switch (rows) {
+#if SCREEN_ROWS > 2
+    case 4: screen_tile(s, b, i, 4, lows); break;
+    case 3: screen_tile(s, b, i, 3, lows); break;
+#endif
+    case 2: screen_tile(s, b, i, 2, lows); break;
+    default: screen_tile(s, b, i, 1, lows);
     }
 }
 
@@ -318,13 +420,13 @@ static void screen_thread(Screen *s, int64_t t, int64_t nt) {
     float *low = s->low + t * s->m;
     for (int64_t i = 0; i < s->m; i++) low[i] = -INFINITY;
     for (int64_t b = first; b < last; b++)
-        for (int64_t i = 0; i < s->m; i += 2) {
-            __m256 low_max[2] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};
-            if (i + 1 < s->m) screen_tile(s, b, i, 2, low_max);
-            else screen_tile(s, b, i, 1, low_max);
-            for (int r = 0; r < 2 && i + r < s->m; r++)
-                low[i + r] = fmaxf(low[i + r], hmax8(low_max[r]));
+        for (int64_t i = 0; i < s->m; i += SCREEN_ROWS) {
+            const int rows = s->m - i < SCREEN_ROWS ? (int)(s->m - i) : SCREEN_ROWS;
+            float lows[SCREEN_ROWS];
+            screen_tiles(s, b, i, rows, lows);
+            for (int r = 0; r < rows; r++) low[i + r] = fmaxf(low[i + r], lows[r]);
         }
+    _mm_sfence(); /* the wide tile's streamed a_v + B_v, in order before the candidates */
 #pragma omp barrier
     Candidates c = {.spent = 0};
     for (int64_t i = 0; i < s->m; i++) {
@@ -368,6 +470,7 @@ int screen_greedy_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, co
     int status = xq == NULL || rows == NULL || shared == NULL || picked == NULL;
     for (int64_t i = 0; i < m && !status; i++)
         status = screen_row(x + i * x_stride, k, w_norm, xq + i * k4, rows + i);
+    work = (float *)(((uintptr_t)work + 63) & ~(uintptr_t)63); /* for the wide tile's stores */
     if (!status) {
         Screen s = {x, x_stride, m, k, k4, n, n_pad, q, meta, weight, budget, xq, rows, work,
                     work + m * n_pad, shared, shared + (size_t)num_threads * m, picked, 0};
@@ -391,6 +494,7 @@ int screen_greedy_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, co
     return status;
 }
 #else
-/* Without AVX2 and FMA there is no screen: cpu_screen binds only this there. */
+/* Without AVX2 and FMA there is no screen: cpu_screen binds only these there. */
 int screen_native_f32(void) { return 0; }
+int screen_wide(void) { return 0; }
 #endif
