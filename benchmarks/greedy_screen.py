@@ -93,7 +93,9 @@ def main() -> None:
         outputs[name] = [out.outputs[0].token_ids for out in llm.generate(batches[1], params)]
     use("screen")
     runs = paired_runs(llm, batches[2:], list(ways), use)
+    tile = "AVX512-VNNI" if screen._screen.wide else "AVX2"
     print(f"model SmolLM2, float32, 2 threads, base model, {SEQUENCES} sequences, greedy")
+    print(f"the screen's {tile} tile")
     print_pairs(steps, runs)
     same = outputs["screen"] == outputs["full head"]
     print(f"same tokens both ways: {same}; steps the screen declined: {screen.declined}")

@@ -10,9 +10,9 @@ the native head and argmax on 32 rows (0.28x on one), and decode steps of 32 seq
 screened in 8-bit integers"). Its integer products went at about the rate of float32 FMAs there,
 not twice it: it wins by running near that rate where the float32 head runs at about half of it.
 With AVX512-VNNI one instruction makes 64 products and adds them: on a 2-core Xeon with AMX in
-float32 the screen took 0.50-0.55x the time of the head and argmax on 32 rows, and decode steps of
-32 sequences were about 4 ms shorter (docs/performance.md, "The screen through AVX512-VNNI"),
-where the AVX2 tile, which CPUs with AVX-512 but not VNNI take, took 1.19x.
+float32 the screen took 0.51-0.56x the time of the head and argmax on 32 rows, and decode steps of
+32 sequences were 3.9-4.5 ms shorter (docs/performance.md, "The screen through AVX512-VNNI"),
+where the AVX2 tile, which CPUs with AVX-512 but not VNNI have, took 1.19x.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ class CpuScreenF32:
     """The library's screen, where it runs (the AVX2 and AVX-512 builds, beside the float32
     projection); `wide`: whether it has the AVX512-VNNI tile; `measured`: whether it was
     measured faster than the full head on this CPU, so the engine takes it by default: Zen 3's
-    AVX2 tile, and the AVX512-VNNI tile (measured on a Xeon with AMX in float32: the head and its
-    picks 0.4x the time on 32 rows, docs/performance.md)."""
+    AVX2 tile, and the AVX512-VNNI tile wherever it builds (measured on a Xeon with AMX in
+    float32: 0.51-0.56x the time of the head and argmax on 32 rows, docs/performance.md)."""
 
     # float32 logits a thread may compute a step before the screen declines (the full head then
     # runs): SmolLM2's rows left 7 a row at the median, 114 at most (docs/performance.md)
