@@ -101,15 +101,19 @@ def paired_runs(llm, batches, names: list[str], use) -> dict[str, list[float]]:
     for i in range(len(batches) // len(names)):
         for name in names if i % 2 == 0 else names[::-1]:
             use(name)
+            batch = next(fresh)
             begun = time.perf_counter()
-            llm.generate(next(fresh), params)
-            runs[name].append(SEQUENCES * NEW_TOKENS / (time.perf_counter() - begun))
+            llm.generate(batch, params)
+            runs[name].append(len(batch) * NEW_TOKENS / (time.perf_counter() - begun))
     use(names[0])
     return runs
 
 
-def print_pairs(steps: dict[str, list[float]], runs: dict[str, list[float]]) -> None:
-    """The two ways' decode steps and whole runs: medians, paired differences and ratios."""
+def print_pairs(
+    steps: dict[str, list[float]], runs: dict[str, list[float]], sequences: int = SEQUENCES
+) -> None:
+    """The two ways' decode steps and whole runs (of `sequences` requests): medians, paired
+    differences and ratios."""
     ours, theirs = steps
     differences = [a - b for a, b in zip(steps[ours], steps[theirs], strict=True)]
     print(
@@ -121,7 +125,7 @@ def print_pairs(steps: dict[str, list[float]], runs: dict[str, list[float]]) -> 
     pairs = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(runs[ours], runs[theirs], strict=True))
     print(f"whole runs, tok/s {ours}/{theirs} pair by pair: {pairs}")
     print(
-        f"whole runs ({SEQUENCES} x {PROMPT_TOKENS} + {NEW_TOKENS} tokens): {ours} "
+        f"whole runs ({sequences} x {PROMPT_TOKENS} + {NEW_TOKENS} tokens): {ours} "
         f"{statistics.median(runs[ours]):.1f} tok/s, {theirs} {statistics.median(runs[theirs]):.1f}"
         f" tok/s, {statistics.median(ratios):.3f}x (median of {len(ratios)} pairs)"
     )

@@ -1,16 +1,18 @@
 """A float32 greedy step's picks through the LM head's screen (kernels/cpu_screen.py) against the
 full head and its argmax, alternated in one process.
 
-    python benchmarks/greedy_screen.py [--steps 60] [--rounds 6]
+    python benchmarks/greedy_screen.py [--steps 60] [--rounds 6] [--sequences 32]
 
-Workload: SmolLM2 in float32 on the base model, 32 sequences decoding together (64-token
-prompts, greedy, EOS ignored). First the LM head alone on 32, 16 and 1 rows of the final hidden
-states of real decode steps: the native float32 head and the argmax pass after it (the engine's
-way without the screen) against the screen, alternated; the screen's picks must equal the
-argmax's. Then the engine's decode steps with the screen on and off in turn, then whole runs of
-32 requests of 64 new tokens in turn (`--rounds` pairs, each on prompts of its own), and one
-batch run both ways, whose tokens must be the same. Prints medians, paired differences and
-ratios, and the steps the screen declined.
+Workload: SmolLM2 in float32 on the base model, `--sequences` sequences decoding together
+(64-token prompts, greedy, EOS ignored). First the LM head alone on that many rows, 32, 16 and
+1 of the final hidden states of real decode steps: the engine's full head (the native float32
+one up to 32 rows, oneDNN's beyond) and the argmax pass after it (the engine's way without the
+screen) against the screen, alternated; the screen's picks must equal the argmax's. Then the
+engine's decode steps with the screen on and off in turn, then whole runs of as many requests
+of 64 new tokens in turn (`--rounds` pairs, each on prompts of its own), and one batch run both
+ways, whose tokens must be the same. Prints medians, paired differences and ratios, and the
+steps the screen declined. Beyond 32 sequences only the AVX512-VNNI tile takes the steps (the
+AVX2 tile takes those of the native head alone).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from engine_throughput import make_prompts
 from greedy_pick import NEW_TOKENS, PROMPT_TOKENS, SEQUENCES, paired_runs, paired_steps, print_pairs
 
 
-def alone(model, argmax, states: torch.Tensor, rounds: int) -> None:
+def alone(model, argmax, states: torch.Tensor, rounds: int, sequences: int = SEQUENCES) -> None:
     """The head and argmax against the screen on rows of `states`, alternated."""
     screen = model._screen
-    for rows in (32, 16, 1):
+    for rows in sorted({sequences, 32, 16, 1}, reverse=True):
         times: dict[str, list[float]] = {"screen": [], "head and argmax": []}
         for i in range(rounds):
             x = states[i * rows % (len(states) - rows) :][:rows].contiguous()
@@ -52,6 +54,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=60, help="pairs of decode steps")
     parser.add_argument("--rounds", type=int, default=6, help="pairs of whole runs")
+    parser.add_argument("--sequences", type=int, default=SEQUENCES, help="decoding together")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -70,21 +73,22 @@ def main() -> None:
     def use(name: str) -> None:
         model._screen = ways[name]
 
-    prompts = make_prompts(llm.tokenizer, SEQUENCES * (2 + 2 * args.rounds), PROMPT_TOKENS)
-    batches = [prompts[i : i + SEQUENCES] for i in range(0, len(prompts), SEQUENCES)]
+    sequences = args.sequences
+    prompts = make_prompts(llm.tokenizer, sequences * (2 + 2 * args.rounds), PROMPT_TOKENS)
+    batches = [prompts[i : i + sequences] for i in range(0, len(prompts), sequences)]
 
-    states: list[torch.Tensor] = []  # the final hidden states of the decode steps' 32 rows
+    states: list[torch.Tensor] = []  # the final hidden states of the decode steps' rows
     picks = model.greedy_picks
 
     def recorded(hidden):
-        if hidden.shape[0] == SEQUENCES:
+        if hidden.shape[0] == sequences:
             states.append(hidden.clone())
         return picks(hidden)
 
     model.greedy_picks = recorded
     steps = paired_steps(llm, batches[0], list(ways), use, args.steps)
     model.greedy_picks = picks
-    alone(model, llm.engine.runner.sampler._argmax, torch.cat(states), 60)
+    alone(model, llm.engine.runner.sampler._argmax, torch.cat(states), 60, sequences)
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = {}
@@ -94,9 +98,9 @@ def main() -> None:
     use("screen")
     runs = paired_runs(llm, batches[2:], list(ways), use)
     tile = "AVX512-VNNI" if screen._screen.wide else "AVX2"
-    print(f"model SmolLM2, float32, 2 threads, base model, {SEQUENCES} sequences, greedy")
+    print(f"model SmolLM2, float32, 2 threads, base model, {sequences} sequences, greedy")
     print(f"the screen's {tile} tile")
-    print_pairs(steps, runs)
+    print_pairs(steps, runs, sequences)
     same = outputs["screen"] == outputs["full head"]
     print(f"same tokens both ways: {same}; steps the screen declined: {screen.declined}")
 

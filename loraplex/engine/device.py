@@ -194,7 +194,7 @@ def choose_screen(weight: torch.Tensor, head: Linear) -> ScreenedHead | None:
     if choice == "0" or head.native_packed is None or weight.dtype != torch.float32:
         return None
     screen = cpu_screen.load()
-    if screen is None or not (screen.measured or (choice == "1" and screen.native)):
+    if screen is None or not (screen.by_default or (choice == "1" and screen.native)):
         return None
     return screen.prepare(weight)
 

@@ -258,8 +258,13 @@ class CausalLM:
     def greedy_picks(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_sampled, hidden] -> int64 [num_sampled], each row's greedy token, where the LM
         head's screen takes these rows (device.choose_screen; it declines rows that are not all
-        finite); else None."""
-        if self._screen is None or not self.lm_head.native(hidden):
+        finite); else None. Its picks are the native float32 head's, which takes up to
+        NATIVE_LINEAR_MAX_ROWS rows; its AVX512-VNNI tile takes more too (`any_rows`), where the
+        full head would be oneDNN's, whose float32 sums may differ from those in the last
+        place, and then so may a near-tie's pick."""
+        if self._screen is None:
+            return None
+        if not (self._screen.any_rows or self.lm_head.native(hidden)):
             return None
         return self._screen.greedy(hidden)
 

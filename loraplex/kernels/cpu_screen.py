@@ -27,19 +27,25 @@ from loraplex.kernels import cpu_lora
 
 class CpuScreenF32:
     """The library's screen, where it runs (the AVX2 and AVX-512 builds, beside the float32
-    projection); `wide`: whether it has the AVX512-VNNI tile; `measured`: whether it was
-    measured faster than the full head on this CPU, so the engine takes it by default: Zen 3's
-    AVX2 tile, and the AVX512-VNNI tile wherever it builds (measured on a Xeon with AMX in
-    float32: 0.51-0.56x the time of the head and argmax on 32 rows, docs/performance.md)."""
+    projection); `wide`: whether it has the AVX512-VNNI tile, which takes a step of any number of
+    rows (the AVX2 tile those the native head takes, device.NATIVE_LINEAR_MAX_ROWS);
+    `by_default`: whether the engine takes it without being asked. That is Zen 3's AVX2 tile,
+    measured faster there, and the AVX512-VNNI tile wherever it builds: measured on a Xeon with
+    AMX in float32 (0.51-0.56x the time of the head and argmax on 32 rows, 0.36-0.40x oneDNN's
+    on 48-128; docs/performance.md), and taken on the other CPUs with VNNI, not measured there,
+    since one of its instructions makes 64 products where a float32 FMA makes 16."""
 
     # float32 logits a thread may compute a step before the screen declines (the full head then
-    # runs): SmolLM2's rows left 7 a row at the median, 114 at most (docs/performance.md)
-    budget = 2048
+    # runs): `budget` for up to 32 rows, `budget_per_row` a row beyond (SmolLM2's rows left 7 a
+    # row at the median, 114 at most: docs/performance.md)
+    budget, budget_per_row = 2048, 64
+    # the integer sums stay exact (127 * 127 * k within int32) for k up to about 133,000
+    max_k = 100_000
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.native = bool(lib.screen_native_f32())
         self.wide = bool(lib.screen_wide())
-        self.measured = self.native and (self.wide or cpu_lora.zen3())
+        self.by_default = self.native and (self.wide or cpu_lora.zen3())
         self._meta = lib.screen_meta_floats
         self._meta.argtypes, self._meta.restype = [ctypes.c_int64], ctypes.c_int64
         self._bytes = lib.screen_packed_bytes
@@ -67,11 +73,12 @@ class CpuScreenF32:
         (no native screen, weights not all finite, too many to index in int32)."""
         if not self.native or weight.dtype != torch.float32 or weight.dim() != 2:
             return None
-        if not weight.is_contiguous() or weight.numel() >= 2**31:
+        if not weight.is_contiguous() or weight.numel() >= 2**31 or weight.shape[1] > self.max_k:
             return None
         n, k = weight.shape
         q = torch.empty(int(self._bytes(n, k)), dtype=torch.int8)
-        # per token: step, |w - w~|, |w~|, 2 gamma_k |w|, the offset's start (cpu/screen_f32.c)
+        # per token: step, |w - w~|, |w~|, 2 gamma_k |w|, then the offset's start as int32 bits
+        # (cpu/screen_f32.c): the last row's floats are not numbers to read
         meta = torch.empty(int(self._meta(n)), dtype=torch.float32)
         if self._pack(weight.data_ptr(), n, k, q.data_ptr(), meta.data_ptr()) != 0:
             return None
@@ -99,9 +106,14 @@ class ScreenedHead:
         self._screen, self._q, self._meta, self._weight = screen, q, meta, weight
         self._weight_norm = weight_norm
         self.n, self.k = weight.shape
+        self.any_rows = screen.wide  # a step of any number of rows, not only the native head's
         self._work, self._work_rows = torch.empty(0, dtype=torch.float32), 0  # kept between steps
         self.picked = self.declined = 0
         self._declines_in_a_row = self._resting = 0
+
+    def _budget(self, rows: int) -> int:
+        screen = self._screen
+        return max(screen.budget, screen.budget_per_row * rows)
 
     def greedy(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [rows, k] float32 (unit column stride) -> int64 [rows], each row's greedy token."""
@@ -119,7 +131,7 @@ class ScreenedHead:
         out = torch.empty(rows, dtype=torch.int64)
         status = self._screen._greedy(
             x.data_ptr(), x.stride(0), rows, self.k, self._q.data_ptr(), self._meta.data_ptr(),
-            self._weight_norm, self._weight.data_ptr(), self.n, self._screen.budget,
+            self._weight_norm, self._weight.data_ptr(), self.n, self._budget(rows),
             self._work.data_ptr(), out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from loraplex import SamplingParams
+from loraplex.engine.device import NATIVE_LINEAR_MAX_ROWS
+from loraplex.engine.model import CausalLM
 from loraplex.kernels import cpu_screen
 from tests.engine.test_fidelity import mixed_prompts, run_and_compare
 from tests.factories import make_llm
@@ -45,7 +47,7 @@ def hidden_states(rows: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 31, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 31, 32, 64, 101])
 @pytest.mark.parametrize("vocab, k", [(4099, 576), (1000, 70), (25, 3)])
 def test_screen_picks_the_full_heads_tokens(f32_kernel, screen, rows, vocab, k):  # noqa: F811
     torch.manual_seed(rows * 7 + vocab)
@@ -84,7 +86,7 @@ def test_screen_declines_what_it_cannot_vouch_for(screen):
     assert head.declined == 3
     assert head.greedy(torch.randn(3, 64)) is not None  # 3 declines in a row: it still tries
     head = screen.prepare(torch.randn(500, 64) * 0.05)
-    screen.budget = 0  # not one float32 logit: every step goes to the full head
+    screen.budget = screen.budget_per_row = 0  # not one float32 logit: every step declines
     for _ in range(head.streak):
         assert head.greedy(torch.randn(3, 64)) is None
     assert head.declined == head.streak
@@ -105,9 +107,31 @@ def test_an_engine_with_the_screen_matches_transformers(engine_screen, tiny_llam
     llm = run_and_compare(tiny_llama, prompts, 16, None, report, "tiny llama, screened head")
     head = llm.engine.runner.model._screen
     assert head is not None and head.picked > 0 and head.declined == 0
-    engine_screen.budget = 0
+    engine_screen.budget = engine_screen.budget_per_row = 0
     llm = run_and_compare(tiny_llama, prompts, 16, None, report, "tiny llama, screen declining")
     assert llm.engine.runner.model._screen.declined > 0
+
+
+def test_steps_of_more_rows_than_the_native_head_takes(
+    engine_screen, tiny_llama, report, monkeypatch
+):
+    """Decode steps of more sequences than the native head takes (NATIVE_LINEAR_MAX_ROWS): the
+    AVX512-VNNI tile picks them too, the AVX2 tile leaves them to the full head; token-identical
+    to transformers either way."""
+    picked_rows = []
+    greedy_picks = CausalLM.greedy_picks
+
+    def recorded(model, hidden):
+        picks = greedy_picks(model, hidden)
+        if picks is not None:
+            picked_rows.append(hidden.shape[0])
+        return picks
+
+    monkeypatch.setattr(CausalLM, "greedy_picks", recorded)
+    prompts = mixed_prompts(make_llm(tiny_llama).tokenizer, 48, seed=5)
+    run_and_compare(tiny_llama, prompts, 24, None, report, "tiny llama, 48 sequences screened")
+    assert picked_rows
+    assert (max(picked_rows) > NATIVE_LINEAR_MAX_ROWS) == engine_screen.wide
 
 
 def test_greedy_tokens_are_the_same_with_sampled_requests_beside(engine_screen, tiny_llama):

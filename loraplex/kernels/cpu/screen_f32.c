@@ -108,7 +108,8 @@ int screen_pack_f32(const float *w, int64_t n, int64_t k, int8_t *q, float *meta
         meta[n_pad + v] = (float)rounded_up(sqrt(lost));
         meta[2 * n_pad + v] = (float)rounded_up(sqrt(kept));
         meta[3 * n_pad + v] = (float)rounded_up(2.0 * gamma * sqrt(whole));
-        ((int32_t *)(meta + 4 * n_pad))[v] = -128 * levels;
+        const int32_t start = -128 * levels; /* int32 bits in a float's place */
+        memcpy(meta + 4 * n_pad + v, &start, sizeof start);
     }
     return 0;
 }
@@ -426,7 +427,9 @@ static void screen_thread(Screen *s, int64_t t, int64_t nt) {
             screen_tiles(s, b, i, rows, lows);
             for (int r = 0; r < rows; r++) low[i + r] = fmaxf(low[i + r], lows[r]);
         }
-    _mm_sfence(); /* the wide tile's streamed a_v + B_v, in order before the candidates */
+    /* the wide tile's streamed a_v + B_v: only this thread reads them again, which x86 orders
+     * for it anyway; fenced all the same before the barrier */
+    _mm_sfence();
 #pragma omp barrier
     Candidates c = {.spent = 0};
     for (int64_t i = 0; i < s->m; i++) {
