@@ -31,7 +31,7 @@ class CpuScreenF32:
     rows (the AVX2 tile those the native head takes, device.NATIVE_LINEAR_MAX_ROWS);
     `by_default`: whether the engine takes it without being asked. That is Zen 3's AVX2 tile,
     measured faster there, and the AVX512-VNNI tile wherever it builds: measured on a Xeon with
-    AMX in float32 (0.51-0.56x the time of the head and argmax on 32 rows, 0.36-0.40x oneDNN's
+    AMX in float32 (0.51-0.56x the time of the head and argmax on 32 rows, 0.33-0.40x oneDNN's
     on 48-128; docs/performance.md), and taken on the other CPUs with VNNI, not measured there,
     since one of its instructions makes 64 products where a float32 FMA makes 16."""
 
