@@ -188,8 +188,9 @@ def choose_linear(weight: torch.Tensor):
 def choose_screen(weight: torch.Tensor, head: Linear) -> ScreenedHead | None:
     """The greedy screen of an LM head (kernels/cpu_screen.py: each row's greedy token without
     all its float32 logits, the native float32 head's pick), where that head is native and the
-    screen was measured faster: Zen 3, and CPUs with AVX512-VNNI. LORAPLEX_SCREEN=0 keeps the
-    full head everywhere, =1 takes the screen wherever it builds (the tests do)."""
+    engine takes the screen by default (CpuScreenF32.by_default: Zen 3, and wherever its
+    AVX512-VNNI tile builds). LORAPLEX_SCREEN=0 keeps the full head everywhere, =1 takes the
+    screen wherever it builds (the tests do)."""
     choice = os.environ.get("LORAPLEX_SCREEN")
     if choice == "0" or head.native_packed is None or weight.dtype != torch.float32:
         return None
