@@ -1,7 +1,7 @@
 """A float32 greedy step's picks through the LM head's screen (kernels/cpu_screen.py) against the
 full head and its argmax, alternated in one process.
 
-    python benchmarks/greedy_screen.py [--steps 60] [--rounds 6] [--sequences 32]
+    python benchmarks/greedy_screen.py [--steps 60] [--rounds 6] [--sequences 32] [--any-rows]
 
 Workload: SmolLM2 in float32 on the base model, `--sequences` sequences decoding together
 (64-token prompts, greedy, EOS ignored). First the LM head alone on that many rows, 32, 16 and
@@ -12,7 +12,8 @@ engine's decode steps with the screen on and off in turn, then whole runs of as 
 of 64 new tokens in turn (`--rounds` pairs, each on prompts of its own), and one batch run both
 ways, whose tokens must be the same. Prints medians, paired differences and ratios, and the
 steps the screen declined. Beyond 32 sequences only the AVX512-VNNI tile takes the steps (the
-AVX2 tile takes those of the native head alone).
+AVX2 tile takes those of the native head alone); `--any-rows` lets the AVX2 tile take them too,
+to measure it there against oneDNN's head.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="pairs of decode steps")
     parser.add_argument("--rounds", type=int, default=6, help="pairs of whole runs")
     parser.add_argument("--sequences", type=int, default=SEQUENCES, help="decoding together")
+    parser.add_argument("--any-rows", action="store_true", help="the AVX2 tile beyond 32 rows")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -68,6 +70,7 @@ def main() -> None:
     screen = model._screen
     if screen is None:
         raise SystemExit("no screen on this machine (LORAPLEX_SCREEN=0, or no AVX2 build)")
+    screen.any_rows = screen.any_rows or args.any_rows
     ways = {"screen": screen, "full head": None}
 
     def use(name: str) -> None:
