@@ -11,6 +11,7 @@ import torch
 from loraplex import SamplingParams
 from loraplex.engine.device import NATIVE_LINEAR_MAX_ROWS
 from loraplex.engine.model import CausalLM
+from loraplex.engine.tokenizer import TokenizerWrapper
 from loraplex.kernels import cpu_screen
 from tests.engine.test_fidelity import mixed_prompts, run_and_compare
 from tests.factories import make_llm
@@ -128,7 +129,7 @@ def test_steps_of_more_rows_than_the_native_head_takes(
         return picks
 
     monkeypatch.setattr(CausalLM, "greedy_picks", recorded)
-    prompts = mixed_prompts(make_llm(tiny_llama).tokenizer, 48, seed=5)
+    prompts = mixed_prompts(TokenizerWrapper(tiny_llama), 48, seed=5)
     run_and_compare(tiny_llama, prompts, 24, None, report, "tiny llama, 48 sequences screened")
     assert picked_rows
     assert (max(picked_rows) > NATIVE_LINEAR_MAX_ROWS) == engine_screen.wide

@@ -133,9 +133,7 @@ static inline float max_of(const float *x, int64_t n) {
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 tops = _mm256_set1_ps(-INFINITY); /* a NaN loaded loses to the lane's top */
     for (; i + 8 <= n; i += 8) tops = _mm256_max_ps(_mm256_loadu_ps(x + i), tops);
-    __m128 four = _mm_max_ps(_mm256_castps256_ps128(tops), _mm256_extractf128_ps(tops, 1));
-    four = _mm_max_ps(four, _mm_movehl_ps(four, four));
-    top = _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
+    top = hmax8(tops);
 #endif
     for (; i < n; i++) top = x[i] > top ? x[i] : top;
     return top;

@@ -48,6 +48,13 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* the largest of v's 8 lanes */
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 /* x . a; with `ahead` (else NULL), the line of ahead at each line of a read brought into L1
  * meanwhile. Its order is the float32 LoRA call's shrink's: lora.c's shrink4_f32 sums four rows
  * at once in this order in the AVX2 and AVX-512 builds, and fetches the rows of the token a

@@ -213,12 +213,6 @@ typedef struct {
     int declined;
 } Screen;
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 /* a_v + B_v of 8 tokens from v, returned; a_v - B_v into low_max; rest and outlier: their
  * integer dot products */
 static inline __m256 screen_bounds(const Screen *s, const ScreenRow *row, int64_t v, __m256i rest,
@@ -427,9 +421,11 @@ static void screen_thread(Screen *s, int64_t t, int64_t nt) {
             screen_tiles(s, b, i, rows, lows);
             for (int r = 0; r < rows; r++) low[i + r] = fmaxf(low[i + r], lows[r]);
         }
-    /* the wide tile's streamed a_v + B_v: only this thread reads them again, which x86 orders
-     * for it anyway; fenced all the same before the barrier */
+#ifdef SCREEN_WIDE
+    /* the streamed a_v + B_v: only this thread reads them again, which x86 orders for it
+     * anyway; fenced all the same before the barrier */
     _mm_sfence();
+#endif
 #pragma omp barrier
     Candidates c = {.spent = 0};
     for (int64_t i = 0; i < s->m; i++) {
